@@ -1,0 +1,575 @@
+"""Lightning attention (MiniMax-01 / Lightning Attention-2) in pure PyTorch.
+
+Per head h with decay rate s_h > 0 and a d x d state S (no 1/sqrt(d) scaling, no GQA):
+
+    S_t = exp(-s_h) * S_(t-1) + k_t^T v_t
+    o_t = q_t S_t
+
+`lightning_attention_reference` runs this recurrence token by token and is the ground truth.
+`lightning_attention` computes the same thing block-wise (Lightning Attention-2): a masked
+quadratic "left product" inside each block of B tokens and a "right product" with the running
+state between blocks, O(n B d + n d^2) time. `lightning_decode_step` advances one token in
+O(d^2) per head.
+
+Layout. Every document (the whole sequence, or each cu_seqlens segment) is padded with zero tokens
+at its *front* up to a multiple of B, and the padded documents are laid end to end, so every block
+is full and belongs to exactly one document. Zero keys and values add nothing to the state, so the
+state at the end of a document's last block is exactly its final state, with the same decay
+factors for every block; the last-block off-by-one (using B instead of the real block length for
+the inter-block decay) cannot occur. The state is reset at the first block of each document. An
+initial state enters as a separate linear term, exp(-s (p + 1)) q_p S_0 for the token at position
+p of its document, because folding it into the padded front would need exp(+s * padding), which
+overflows. Packed sequences thus cost at most B - 1 padding tokens per document and run in one
+vectorized pass (no Python loop over documents).
+
+Gradients come from a custom autograd.Function that saves only q, k, v (and the initial state)
+and recomputes the [B, B] block scores and the per-block states in backward; autograd through the
+block-wise forward would keep several [n, B] score tensors per head alive (benchmarks/
+lightning_attention.py measures both; see docs/benchmarks.md). The decay rates get no gradient:
+they are fixed buffers derived from the layer index.
+
+Shapes: b batch, n tokens, h heads, d head dim, c blocks (nb of them), B block size, D documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CHUNK_TOKENS",
+    "lightning_attention",
+    "lightning_attention_reference",
+    "lightning_decay_rates",
+    "lightning_decode_step",
+]
+
+# Blocks are processed in chunks of about this many tokens (at least one block): the working set
+# and the temporaries stay a few MiB, which keeps them in cache and reused by the allocator (on a
+# CPU, tensors over glibc's 32 MiB mmap threshold are page-faulted in afresh on every call).
+CHUNK_TOKENS = 1024
+
+
+def lightning_decay_rates(
+    num_heads: int, layer_idx: int, num_layers: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Decay rates s_h [num_heads] of one lightning-attention layer, bit-identical to HF in fp32.
+
+    transformers' MiniMaxLightningAttention.get_slope_rate computes
+
+        base   = 1 / 2 ** (8 / num_heads)                          # Python float (fp64)
+        factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5     # Python float (fp64)
+        s_h    = fp32(base) ** fp32(h + 1) * fp32(factor)           # torch, default dtype fp32
+
+    i.e. MODEL.md's 2^(-8 (h+1) / nh) * (1 - l / (L - 1) + 1e-5) with 1e-5 added to the divisor.
+    That divisor also defines the single-layer model: num_layers == 1 gives factor 1 + 1e-5, as
+    in HF. layer_idx is the index among all layers (softmax layers included). With dtype=float64
+    the same formula is evaluated in fp64.
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx must be in [0, num_layers={num_layers}), got {layer_idx}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    base = 1 / (2 ** (8 / num_heads))
+    factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5
+    exponent = torch.arange(1, num_heads + 1, dtype=dtype)
+    return torch.tensor(base, dtype=dtype) ** exponent * torch.tensor(factor, dtype=dtype)
+
+
+def lightning_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence, one token at a time (ground truth for tests; O(n) Python steps).
+
+    q, k, v: [b, n, h, d]; decay: [h]; initial_state: [b, h, d, d] or None (zeros).
+    Returns (out [b, n, h, d], final_state [b, h, d, d]).
+    """
+    _check_qkv(q, k, v)
+    _check_decay(decay, q.shape[2])
+    batch, seq_len, num_heads, head_dim = q.shape
+    state_shape = (batch, num_heads, head_dim, head_dim)
+    if initial_state is None:
+        state = q.new_zeros(state_shape)
+    else:
+        _check_state("initial_state", initial_state, state_shape)
+        state = initial_state
+    outputs = []
+    for t in range(seq_len):
+        out_t, state = lightning_decode_step(q[:, t], k[:, t], v[:, t], decay, state)
+        outputs.append(out_t)
+    return torch.stack(outputs, dim=1), state
+
+
+def lightning_decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advance the state by one token: O(d^2) per head.
+
+    q, k, v: [b, h, d]; decay: [h]; state: [b, h, d, d]. Returns (out [b, h, d], new_state).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim] for one token, got shape {tuple(q.shape)}")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(tensor.shape)}")
+    _check_decay(decay, q.shape[1])
+    batch, num_heads, head_dim = q.shape
+    _check_state("state", state, (batch, num_heads, head_dim, head_dim))
+    step_decay = torch.exp(-decay.double()).to(state.dtype)[:, None, None]  # [h, 1, 1]
+    new_state = step_decay * state + k.unsqueeze(-1) * v.unsqueeze(-2)  # [b, h, d, d]
+    out = (q.unsqueeze(-2) @ new_state).squeeze(-2)  # [b, h, d]
+    return out, new_state
+
+
+def lightning_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    block_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise lightning attention with a hand-written backward.
+
+    q, k, v: [b, n, h, d]; decay: [h] positive rates s_h.
+    Without cu_seqlens: initial_state and the returned final state are [b, h, d, d].
+    With cu_seqlens (int [D + 1], cumulative document offsets as in flash-attn varlen, batch 1):
+    the state resets at every document start, and initial_state / final state are [D, h, d, d].
+    initial_state None means zeros. Gradients flow to q, k, v and initial_state.
+    Returns (out [b, n, h, d], final_state).
+    """
+    _check_qkv(q, k, v)
+    batch, seq_len, num_heads, head_dim = q.shape
+    _check_decay(decay, num_heads)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    doc_lengths = _document_lengths(cu_seqlens, batch, seq_len)
+    num_docs = len(doc_lengths)
+    if initial_state is not None:
+        state_shape = (num_docs, num_heads, head_dim, head_dim) if cu_seqlens is not None else (
+            batch, num_heads, head_dim, head_dim)
+        _check_state("initial_state", initial_state, state_shape)
+        if initial_state.dtype != q.dtype:
+            raise ValueError(f"initial_state dtype must be q's {q.dtype}, got {initial_state.dtype}")
+        initial_state = _public_to_doc_states(initial_state, packed=cu_seqlens is not None)
+
+    blocks_per_chunk = max(1, CHUNK_TOKENS // block_size)
+    layout = _BlockLayout.build(doc_lengths, block_size, blocks_per_chunk, q.device)
+    decays = _BlockDecays.build(decay, layout, q.dtype, with_initial_state=initial_state is not None)
+    out, final_states = _LightningAttentionFunction.apply(q, k, v, initial_state, decays, layout)
+    return out, _doc_to_public_states(final_states, packed=cu_seqlens is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
+    if q.shape[1] == 0:
+        raise ValueError("q has sequence length 0; pass at least one token")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(tensor.shape)}")
+        if tensor.dtype != q.dtype:
+            raise ValueError(f"{name} dtype must be q's {q.dtype}, got {tensor.dtype}")
+
+
+def _check_decay(decay: torch.Tensor, num_heads: int) -> None:
+    if decay.shape != (num_heads,):
+        raise ValueError(f"decay must be [heads] = ({num_heads},), got shape {tuple(decay.shape)}")
+    if not bool(torch.all(torch.isfinite(decay) & (decay > 0))):
+        raise ValueError(
+            f"decay must hold finite positive rates s_h (state factor exp(-s_h) < 1), got {decay.tolist()}; "
+            "use lightning_decay_rates"
+        )
+
+
+def _check_state(name: str, state: torch.Tensor, expected_shape: tuple[int, ...]) -> None:
+    if state.shape != expected_shape:
+        raise ValueError(f"{name} must have shape {expected_shape}, got {tuple(state.shape)}")
+
+
+def _document_lengths(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -> list[int]:
+    """Document lengths as host ints (the block layout is decided on the host: one sync)."""
+    if cu_seqlens is None:
+        return [seq_len]
+    if batch != 1:
+        raise ValueError(
+            f"cu_seqlens needs the packed documents in one row (batch 1), got batch {batch}; "
+            "concatenate the sequences along seq"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor [num_docs + 1], got dtype {cu_seqlens.dtype} "
+            f"shape {tuple(cu_seqlens.shape)}"
+        )
+    offsets = cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+    if offsets[0] != 0 or offsets[-1] != seq_len or min(lengths) < 1:
+        raise ValueError(
+            f"cu_seqlens must increase strictly from 0 to seq_len={seq_len} (no empty documents), got {offsets}"
+        )
+    return lengths
+
+
+def _public_to_doc_states(state: torch.Tensor, packed: bool) -> torch.Tensor:
+    """[b, h, d, d] (one document per row) or packed [D, h, d, d] -> [b, h, D, d, d]."""
+    return state.transpose(0, 1).unsqueeze(0) if packed else state.unsqueeze(2)
+
+
+def _doc_to_public_states(state: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Inverse of _public_to_doc_states."""
+    return state.squeeze(0).transpose(0, 1) if packed else state.squeeze(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block layout and decay factors
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A run of whole blocks processed together; its real tokens are one contiguous token range."""
+
+    first_block: int
+    num_blocks: int
+    token_start: int
+    token_end: int
+    token_slots: torch.Tensor  # [token_end - token_start] long: slot of each token inside the chunk
+
+
+@dataclass(frozen=True)
+class _BlockLayout:
+    """Where each token lives once documents are front-padded to whole blocks."""
+
+    block_size: int
+    num_blocks: int
+    chunks: list[_Chunk]
+    slot_positions: torch.Tensor  # [nb, B] long: position in its document (negative = padding)
+    doc_lengths: torch.Tensor  # [D] long
+    doc_of_block: torch.Tensor  # [nb] long
+    block_starts_doc: list[bool]  # [nb]: the state resets when entering this block
+    block_ends_doc: list[bool]  # [nb]: the state leaving this block is its document's final state
+    block_doc: list[int]  # [nb]: doc_of_block on the host
+
+    @staticmethod
+    def build(doc_lengths: list[int], block_size: int, blocks_per_chunk: int, device: torch.device) -> _BlockLayout:
+        lengths = torch.tensor(doc_lengths, dtype=torch.long)
+        blocks_per_doc = (lengths + block_size - 1) // block_size
+        last_blocks = torch.cumsum(blocks_per_doc, 0) - 1
+        first_blocks = last_blocks - blocks_per_doc + 1
+        first_token_slot = first_blocks * block_size + blocks_per_doc * block_size - lengths
+        doc_starts = torch.cumsum(lengths, 0) - lengths
+        num_docs, num_blocks = len(doc_lengths), int(blocks_per_doc.sum())
+        docs = torch.arange(num_docs)
+        token_slots = torch.arange(int(lengths.sum())) + torch.repeat_interleave(first_token_slot - doc_starts, lengths)
+        slot_doc = torch.repeat_interleave(docs, blocks_per_doc * block_size)
+        slot_positions = torch.arange(num_blocks * block_size) - first_token_slot[slot_doc]
+        doc_of_block = torch.repeat_interleave(docs, blocks_per_doc)
+        first_set, last_set = set(first_blocks.tolist()), set(last_blocks.tolist())
+        return _BlockLayout(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            chunks=_split_chunks(token_slots, num_blocks, block_size, blocks_per_chunk, device),
+            slot_positions=slot_positions.view(num_blocks, block_size).to(device),
+            doc_lengths=lengths.to(device),
+            doc_of_block=doc_of_block.to(device),
+            block_starts_doc=[c in first_set for c in range(num_blocks)],
+            block_ends_doc=[c in last_set for c in range(num_blocks)],
+            block_doc=doc_of_block.tolist(),
+        )
+
+
+def _split_chunks(
+    token_slots: torch.Tensor, num_blocks: int, block_size: int, blocks_per_chunk: int, device: torch.device
+) -> list[_Chunk]:
+    chunks = []
+    for first_block in range(0, num_blocks, blocks_per_chunk):
+        num = min(blocks_per_chunk, num_blocks - first_block)
+        slot_start = first_block * block_size
+        # token_slots is increasing, so the chunk's tokens form a contiguous range.
+        token_start, token_end = torch.searchsorted(token_slots, torch.tensor([slot_start, slot_start + num * block_size])).tolist()
+        chunk_slots = (token_slots[token_start:token_end] - slot_start).to(device)
+        chunks.append(_Chunk(first_block, num, token_start, token_end, chunk_slots))
+    return chunks
+
+
+@dataclass(frozen=True)
+class _BlockDecays:
+    """Powers of exp(-s_h) used block-wise; computed in fp64, stored in the compute dtype."""
+
+    intra: torch.Tensor  # [h, 1, B, B]: exp(-s (i - j)) for i >= j, else 0
+    query: torch.Tensor  # [h, 1, B, 1]: exp(-s (i + 1)), the state entering the block seen at row i
+    key: torch.Tensor  # [h, 1, B, 1]: exp(-s (B - 1 - j)), key j decayed to the block's end
+    block: torch.Tensor  # [h, 1, 1]: exp(-s B), the state carried across one whole block
+    # Only with an initial state:
+    initial: torch.Tensor | None  # [h, nb, B, 1]: exp(-s (p + 1)) at document position p (1 on padding)
+    initial_to_final: torch.Tensor | None  # [h, D, 1, 1]: exp(-s * document length)
+
+    @staticmethod
+    def build(
+        decay: torch.Tensor, layout: _BlockLayout, dtype: torch.dtype, with_initial_state: bool
+    ) -> _BlockDecays:
+        device = layout.slot_positions.device
+        rate = decay.detach().to(device=device, dtype=torch.float64)[:, None, None]  # [h, 1, 1]
+        steps = torch.arange(layout.block_size, dtype=torch.float64, device=device)
+        distance = steps[:, None] - steps[None, :]  # [B, B]: i - j
+        intra = torch.exp(-rate * distance.clamp(min=0)) * (distance >= 0)
+        initial = initial_to_final = None
+        if with_initial_state:
+            # Padding slots hold zero q, so their factor is irrelevant; clamping keeps it finite.
+            positions = layout.slot_positions.to(torch.float64).clamp(min=-1)
+            initial = torch.exp(-rate * (positions + 1)).unsqueeze(-1).to(dtype)
+            lengths = layout.doc_lengths.to(torch.float64)
+            initial_to_final = torch.exp(-rate * lengths[:, None]).unsqueeze(-1).to(dtype)
+        return _BlockDecays(
+            intra=intra.unsqueeze(1).to(dtype),
+            query=torch.exp(-rate * (steps + 1)[:, None]).unsqueeze(1).to(dtype),
+            key=torch.exp(-rate * (layout.block_size - 1 - steps)[:, None]).unsqueeze(1).to(dtype),
+            block=torch.exp(-rate * layout.block_size).to(dtype),
+            initial=initial,
+            initial_to_final=initial_to_final,
+        )
+
+
+def _gather_chunk(x: torch.Tensor, chunk: _Chunk, block_size: int) -> torch.Tensor:
+    """[b, n, h, d] -> the chunk's zero-padded, contiguous blocks [b, h, G, B, d]."""
+    batch, _, num_heads, head_dim = x.shape
+    blocks = x.new_zeros(batch, num_heads, chunk.num_blocks * block_size, head_dim)
+    blocks.index_copy_(2, chunk.token_slots, x[:, chunk.token_start : chunk.token_end].transpose(1, 2))
+    return blocks.view(batch, num_heads, chunk.num_blocks, block_size, head_dim)
+
+
+def _scatter_chunk(out: torch.Tensor, blocks: torch.Tensor, chunk: _Chunk) -> None:
+    """Write the chunk's blocks [b, h, G, B, d] into out [b, n, h, d], dropping the padding."""
+    real = blocks.flatten(2, 3).index_select(2, chunk.token_slots)  # [b, h, tokens, d]
+    out[:, chunk.token_start : chunk.token_end] = real.transpose(1, 2)
+
+
+def _chunk_initial_states(initial_states: torch.Tensor, layout: _BlockLayout, chunk: _Chunk) -> torch.Tensor:
+    """Each block's document initial state, [b, h, G, d, d], from initial_states [b, h, D, d, d]."""
+    block_docs = layout.doc_of_block[chunk.first_block : chunk.first_block + chunk.num_blocks]
+    return initial_states.index_select(2, block_docs)
+
+
+def _chunk_initial_decay(decays: _BlockDecays, chunk: _Chunk) -> torch.Tensor:
+    """[h, G, B, 1] slice of decays.initial."""
+    return decays.initial[:, chunk.first_block : chunk.first_block + chunk.num_blocks]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward (tensors of one chunk in the [b, h, G, B, d] block layout)
+
+
+def _intra_scores(q: torch.Tensor, k: torch.Tensor, decays: _BlockDecays) -> torch.Tensor:
+    """Decayed causal scores inside each block: (Q K^T) * D, [b, h, G, B, B]."""
+    return (q @ k.transpose(-1, -2)).mul_(decays.intra)
+
+
+def _block_key_values(k: torch.Tensor, v: torch.Tensor, decays: _BlockDecays) -> torch.Tensor:
+    """Each block's contribution to the state at its end: (K * k_decay)^T V, [b, h, G, d, d]."""
+    return (k * decays.key).transpose(-1, -2) @ v
+
+
+def _scan_states(
+    block_kv: torch.Tensor,
+    running: torch.Tensor,
+    decays: _BlockDecays,
+    layout: _BlockLayout,
+    chunk: _Chunk,
+    final_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """States entering each block of the chunk [b, h, G, d, d], and the state leaving the chunk.
+
+    running [b, h, d, d] is the state entering the chunk. The state resets at each document's
+    first block; a document's final state is written into final_states [b, h, D, d, d] if given.
+    """
+    states = torch.empty_like(block_kv)
+    for g in range(chunk.num_blocks):
+        block = chunk.first_block + g
+        if layout.block_starts_doc[block]:
+            running = torch.zeros_like(running)
+        states[:, :, g] = running
+        running = decays.block * running + block_kv[:, :, g]
+        if final_states is not None and layout.block_ends_doc[block]:
+            final_states[:, :, layout.block_doc[block]] = running
+    return states, running
+
+
+def _forward_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: torch.Tensor, decays: _BlockDecays
+) -> torch.Tensor:
+    """Left product inside each block plus right product with the state entering it."""
+    return _intra_scores(q, k, decays) @ v + (q * decays.query) @ states
+
+
+def _lightning_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    decays: _BlockDecays,
+    layout: _BlockLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out [b, n, h, d], final states [b, h, D, d, d], and the state entering each chunk
+    [b, h, num_chunks, d, d] (what backward needs to recompute a chunk's block states).
+
+    initial_states: [b, h, D, d, d] or None. Plain torch ops: autograd can run through it.
+    """
+    batch, _, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    final_states = q.new_empty(batch, num_heads, len(layout.doc_lengths), head_dim, head_dim)
+    running = q.new_zeros(batch, num_heads, head_dim, head_dim)
+    chunk_entering_states = []
+    for chunk in layout.chunks:
+        chunk_entering_states.append(running)
+        q_blocks, k_blocks, v_blocks = (_gather_chunk(x, chunk, layout.block_size) for x in (q, k, v))
+        block_kv = _block_key_values(k_blocks, v_blocks, decays)
+        states, running = _scan_states(block_kv, running, decays, layout, chunk, final_states)
+        out_blocks = _forward_chunk(q_blocks, k_blocks, v_blocks, states, decays)
+        if initial_states is not None:
+            initial_blocks = _chunk_initial_states(initial_states, layout, chunk)
+            out_blocks = out_blocks + (q_blocks * _chunk_initial_decay(decays, chunk)) @ initial_blocks
+        _scatter_chunk(out, out_blocks, chunk)
+    if initial_states is not None:
+        final_states = final_states + decays.initial_to_final * initial_states
+    return out, final_states, torch.stack(chunk_entering_states, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def _reverse_scan_state_grads(
+    grad_entering_direct: torch.Tensor,
+    grad_next_entering: torch.Tensor,
+    grad_final: torch.Tensor,
+    decays: _BlockDecays,
+    layout: _BlockLayout,
+    chunk: _Chunk,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient w.r.t. the state leaving each block of the chunk [b, h, G, d, d], and w.r.t. the
+    state entering the chunk.
+
+    grad_entering_direct [b, h, G, d, d]: gradient w.r.t. the state entering each block through
+    that block's outputs; grad_next_entering [b, h, d, d]: w.r.t. the state entering the next chunk;
+    grad_final [b, h, D, d, d]. The state leaving a block is its document's final state if the block
+    ends a document, else the state entering the next block.
+    """
+    grad_leaving = torch.empty_like(grad_entering_direct)
+    for g in reversed(range(chunk.num_blocks)):
+        block = chunk.first_block + g
+        if layout.block_ends_doc[block]:
+            grad = grad_final[:, :, layout.block_doc[block]]
+        else:
+            grad = grad_next_entering
+        grad_leaving[:, :, g] = grad
+        grad_next_entering = grad_entering_direct[:, :, g] + decays.block * grad
+    return grad_leaving, grad_next_entering
+
+
+def _intra_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, decays: _BlockDecays
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of out = P V with P = (Q K^T) * D, recomputing P; all [b, h, G, B, d]."""
+    scores = _intra_scores(q, k, decays)
+    grad_v = scores.transpose(-1, -2) @ grad_out
+    del scores
+    grad_scores = (grad_out @ v.transpose(-1, -2)).mul_(decays.intra)
+    return grad_scores @ k, grad_scores.transpose(-1, -2) @ q, grad_v
+
+
+def _backward_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    entering_state: torch.Tensor,
+    grad_next_entering: torch.Tensor,
+    grad_final: torch.Tensor,
+    decays: _BlockDecays,
+    layout: _BlockLayout,
+    chunk: _Chunk,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grad q, k, v of one chunk [b, h, G, B, d] and the gradient w.r.t. the state entering it."""
+    block_kv = _block_key_values(k, v, decays)
+    states, _ = _scan_states(block_kv, entering_state, decays, layout, chunk)
+    grad_q, grad_k, grad_v = _intra_grads(q, k, v, grad_out, decays)
+    # Right product: out += (Q * q_decay) S_in, and S_out = exp(-s B) S_in + (K * k_decay)^T V.
+    grad_q += (grad_out @ states.transpose(-1, -2)) * decays.query
+    grad_entering_direct = (q * decays.query).transpose(-1, -2) @ grad_out
+    grad_leaving, grad_entering_chunk = _reverse_scan_state_grads(
+        grad_entering_direct, grad_next_entering, grad_final, decays, layout, chunk
+    )
+    grad_k += (v @ grad_leaving.transpose(-1, -2)) * decays.key
+    grad_v += (k * decays.key) @ grad_leaving
+    return grad_q, grad_k, grad_v, grad_entering_chunk
+
+
+def _lightning_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    chunk_entering_states: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_final: torch.Tensor,
+    decays: _BlockDecays,
+    layout: _BlockLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of q, k, v ([b, n, h, d]) and initial_states ([b, h, D, d, d]), chunks in reverse."""
+    grad_q, grad_k, grad_v = (torch.empty_like(x) for x in (q, k, v))
+    grad_initial = None if initial_states is None else decays.initial_to_final * grad_final
+    grad_next_entering = torch.zeros_like(chunk_entering_states[:, :, 0])
+    for index in reversed(range(len(layout.chunks))):
+        chunk = layout.chunks[index]
+        blocks = [_gather_chunk(x, chunk, layout.block_size) for x in (q, k, v, grad_out)]
+        *chunk_grads, grad_next_entering = _backward_chunk(
+            *blocks, chunk_entering_states[:, :, index], grad_next_entering, grad_final, decays, layout, chunk
+        )
+        if initial_states is not None:
+            initial_decay = _chunk_initial_decay(decays, chunk)  # [h, G, B, 1]
+            initial_blocks = _chunk_initial_states(initial_states, layout, chunk)
+            chunk_grads[0] += (blocks[3] @ initial_blocks.transpose(-1, -2)) * initial_decay
+            grad_initial_blocks = (blocks[0] * initial_decay).transpose(-1, -2) @ blocks[3]  # [b, h, G, d, d]
+            block_docs = layout.doc_of_block[chunk.first_block : chunk.first_block + chunk.num_blocks]
+            grad_initial.index_add_(2, block_docs, grad_initial_blocks)
+        for grad, chunk_grad in zip((grad_q, grad_k, grad_v), chunk_grads):
+            _scatter_chunk(grad, chunk_grad, chunk)
+    return grad_q, grad_k, grad_v, grad_initial
+
+
+class _LightningAttentionFunction(torch.autograd.Function):
+    """Saves q, k, v, initial_states and one state per chunk; backward recomputes the rest."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        initial_states: torch.Tensor | None,
+        decays: _BlockDecays,
+        layout: _BlockLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, final_states, chunk_entering_states = _lightning_forward(q, k, v, initial_states, decays, layout)
+        ctx.save_for_backward(q, k, v, initial_states, chunk_entering_states)
+        ctx.decays, ctx.layout = decays, layout
+        return out, final_states
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, grad_final: torch.Tensor):
+        q, k, v, initial_states, chunk_entering_states = ctx.saved_tensors
+        grads = _lightning_backward(
+            q, k, v, initial_states, chunk_entering_states, grad_out.contiguous(), grad_final, ctx.decays, ctx.layout
+        )
+        return *grads, None, None

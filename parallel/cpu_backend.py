@@ -1,0 +1,218 @@
+"""Megatron-Core 0.16.1 on a CPU-only torch.
+
+Megatron-Core assumes CUDA: it allocates on ``torch.cuda.current_device()``, hard-codes
+``device="cuda"``, forks the CUDA RNG, synchronizes streams and checks ``param.type()`` against
+``torch.cuda.FloatTensor``. On a CPU-only torch each of those raises. ``apply()`` redirects them,
+and only them, to the CPU, so that the real Megatron-Core code paths (TP, PP, EP, DDP, the
+distributed optimizer, distributed checkpointing) run on gloo in tests and the quick start.
+
+Three kinds of patch, each naming the upstream call site it serves (line numbers of 0.16.1):
+
+- ``torch.cuda`` functions that cannot work without CUDA get CPU meanings (current device,
+  synchronize, RNG state, inert streams). Nothing that works on a CPU-only torch is changed.
+- Functions with a hard-coded CUDA device or tensor type are recompiled from their own source
+  with exactly those literals replaced. Every replaced literal must be found, so an upstream
+  change fails loudly here instead of silently running unpatched code.
+- Two MoE helpers get small wrappers.
+
+It is applied only when CUDA is unavailable; with CUDA, ``apply()`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import torch
+
+_applied = False
+
+
+@dataclass(frozen=True)
+class SourcePatch:
+    """Recompile ``module.qualname`` with each ``old`` literal replaced by ``new``."""
+
+    module: str
+    qualname: str
+    replacements: tuple[tuple[str, str], ...]
+    call_sites: str
+
+
+_CUDA_DEVICE = (('device="cuda"', 'device="cpu"'),)
+_CUDA_DEVICE_SQ = (("device='cuda'", "device='cpu'"),)
+_CUDA_FLOAT_TYPE = (("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),)
+
+SOURCE_PATCHES: tuple[SourcePatch, ...] = (
+    SourcePatch("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
+                _CUDA_DEVICE, "schedules.py:596 total_num_tokens"),
+    SourcePatch("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving",
+                _CUDA_DEVICE, "schedules.py:983 total_num_tokens"),
+    SourcePatch("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
+                _CUDA_DEVICE, "schedules.py:2138 total_num_tokens"),
+    SourcePatch("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__",
+                _CUDA_DEVICE_SQ, "optimizer.py:473/481/485 found_inf, overflow buffer, unit scale"),
+    SourcePatch("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+                (("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),)
+                + _CUDA_FLOAT_TYPE, "optimizer.py:671/690 parameter type checks"),
+    SourcePatch("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
+                _CUDA_DEVICE_SQ, "optimizer.py:907 unit scale"),
+    SourcePatch("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
+                _CUDA_DEVICE_SQ, "clip_grads.py:90/103/115 norm buffers"),
+    SourcePatch("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+                _CUDA_DEVICE_SQ + _CUDA_FLOAT_TYPE, "clip_grads.py:167 grad type check, :174 overflow buffer"),
+    SourcePatch("megatron.core.optimizer.clip_grads", "count_zeros_fp32",
+                _CUDA_DEVICE_SQ, "clip_grads.py:207 zero counter"),
+    SourcePatch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
+                (("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),)
+                + _CUDA_FLOAT_TYPE, "distrib_optimizer.py:361/420 parameter type checks"),
+    SourcePatch("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__",
+                _CUDA_DEVICE, "param_and_grad_buffer.py:768 NCCL warm-up all-reduce"),
+    SourcePatch("megatron.core.models.common.language_module.language_module",
+                "LanguageModule.setup_embeddings_and_output_layer",
+                (("weight.data.cuda()", "weight.data"),), "language_module.py:244 tied embeddings with PP>1"),
+    SourcePatch("megatron.core.transformer.utils", "get_default_causal_mask",
+                _CUDA_DEVICE, "transformer/utils.py:35 causal mask when no attention mask is given"),
+    SourcePatch("megatron.core.tensor_parallel.data", "_build_key_size_numel_dictionaries",
+                _CUDA_DEVICE_SQ, "tensor_parallel/data.py:37 size broadcast"),
+    SourcePatch("megatron.core.tensor_parallel.data", "broadcast_data",
+                (("data[key].cuda()", "data[key]"),), "tensor_parallel/data.py:84 data broadcast"),
+)
+
+
+class _InertStream:
+    """Stands in for torch.cuda.Stream/Event: on the CPU every operation is already complete."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __getattr__(self, name):
+        # wait_stream, record_event, synchronize, ...: do nothing; record_event's result is
+        # synchronized later (token_dispatcher.py:899), so methods return another inert object.
+        return lambda *args, **kwargs: _InertStream()
+
+
+def _cpu_device(*args, **kwargs) -> torch.device:
+    return torch.device("cpu")
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    # ~40 allocations `device=torch.cuda.current_device()` (utils.py:631 GlobalMemoryBuffer,
+    # tensor_parallel/mappings.py:91/141/148/181/442, layers.py:552/597/607,
+    # param_and_grad_buffer.py:783-806, moe/router.py:90, p2p_communication.py:190-321).
+    cuda.current_device = _cpu_device
+    # filesystem_async.py:230, p2p_communication.py:242/398, parallel_state.py:198.
+    cuda.synchronize = lambda *args, **kwargs: None
+    # moe/token_dispatcher.py:445 creates a D2H stream in the all-to-all dispatcher's constructor.
+    cuda.Stream = _InertStream
+    cuda.Event = _InertStream
+    cuda.current_stream = lambda *args, **kwargs: _InertStream()
+    cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    # tensor_parallel/random.py:235-240 (CudaRNGStatesTracker.add) and :422
+    # (model_parallel_cuda_manual_seed): the model-parallel RNG tracker forks the CPU generator.
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all, so seed the generator directly.
+    cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
+
+
+def _patch_rng_tracker() -> None:
+    # tensor_parallel/random.py:41/72 read torch.cuda.default_generators directly;
+    # dot_product_attention.py:217 and every initialization under the tracker go through them.
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda *args, clone=False, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+
+
+def _patch_moe_helpers() -> None:
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    upstream = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        # moe_utils.py:1093 only converts CUDA tensors; CPU split sizes must become numpy too, or
+        # all_to_all_single (mappings.py:444) rejects them.
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _rebind(upstream, maybe_move_tensor_to_cpu)
+
+
+def bind_missing_te_names() -> None:
+    """moe_utils.py:1192 reads ``te_general_gemm``, which is undefined when Transformer Engine is
+    absent (also on GPU): bind it to None so the router falls back to torch's matmul."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _resolve(module_name: str, qualname: str):
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _rebind(old, new) -> None:
+    """Point every loaded Megatron-Core module that holds ``old`` by name at ``new``: modules
+    import these functions with ``from x import f``, so patching only the defining module misses them."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is old:
+                setattr(module, attr, new)
+
+
+def apply_source_patch(patch: SourcePatch) -> None:
+    owner, name = _resolve(patch.module, patch.qualname)
+    function = inspect.unwrap(getattr(owner, name))
+    lines, first_line = inspect.getsourcelines(function)
+    source = textwrap.dedent("".join(lines))
+    for old, new in patch.replacements:
+        if old not in source:
+            raise RuntimeError(
+                f"megatron-core changed: {patch.module}.{patch.qualname} no longer contains {old!r} "
+                f"({patch.call_sites}). megacispo's CPU back-end is written for megatron-core==0.16.1."
+            )
+        source = source.replace(old, new)
+    if inspect.isclass(owner):
+        # A method recompiled outside its class body has no __class__ cell for zero-argument super().
+        source = source.replace("super()", f"super({owner.__name__}, self)")
+    # Padding keeps tracebacks pointing at the upstream line numbers.
+    code = compile("\n" * (first_line - 1) + source, inspect.getsourcefile(function), "exec")
+    namespace: dict = {}
+    exec(code, function.__globals__, namespace)  # noqa: S102 - upstream's own source, two literals changed
+    patched = namespace[name]
+    if inspect.isclass(owner):
+        setattr(owner, name, patched)
+    else:
+        _rebind(getattr(owner, name), patched)
+
+
+def apply() -> bool:
+    """Make Megatron-Core run on a CPU-only torch. Returns whether anything was patched."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    bind_missing_te_names()
+    _patch_moe_helpers()
+    for patch in SOURCE_PATCHES:
+        apply_source_patch(patch)
+    _applied = True
+    return True

@@ -1,0 +1,34 @@
+"""megacispo: CISPO reinforcement learning for hybrid lightning-attention MoE models on Megatron-Core."""
+
+from setuptools import setup
+
+setup(
+    name="megacispo",
+    version="0.1.0",
+    description="Megatron-Core RL training stack for MiniMax-M1 style hybrid lightning-attention MoE models with CISPO",
+    python_requires=">=3.10",
+    # models/ and parallel/ sit at the top of the repository (SYSTEM.md) but install as subpackages.
+    packages=["megacispo", "megacispo.models", "megacispo.parallel"],
+    package_dir={
+        "megacispo": "megacispo",
+        "megacispo.models": "models",
+        "megacispo.parallel": "parallel",
+    },
+    install_requires=[
+        # The CPU build lies on the CI machines' disk; any other torch is a multi-GB CUDA download.
+        "torch==2.13.0",
+        # parallel/cpu_backend.py patches this exact release's internals.
+        "megatron-core==0.16.1",
+        # Megatron-Core's torch_dist checkpoint writer needs it but does not declare it.
+        "psutil",
+        "sentencepiece",
+        "tensorboard",
+        "pyyaml",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "fp8": ["transformer-engine[pytorch]"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5.0", "safetensors"],
+    },
+)
