@@ -64,13 +64,13 @@ def autograd_lightning_step(seq_len: int, heads: int, head_dim: int, block_size:
     """Plain autograd through the same block-wise forward (what the custom Function replaces)."""
     q, k, v, grad_out = random_inputs((1, seq_len, heads, head_dim), seed=0)
     decay = lightning_decay_rates(heads, layer_idx=0, num_layers=80)
-    layout = lightning._BlockLayout.build([seq_len], block_size, q.device)
+    blocks_per_chunk = max(1, lightning.CHUNK_TOKENS // block_size)
+    layout = lightning._BlockLayout.build([seq_len], block_size, blocks_per_chunk, q.device)
     decays = lightning._BlockDecays.build(decay, layout, q.dtype, with_initial_state=False)
 
     def step() -> None:
-        blocks = [lightning._to_blocks(x, layout) for x in (q, k, v)]
-        out_blocks, _ = lightning._forward_blocks(*blocks, None, decays, layout)
-        lightning._from_blocks(out_blocks, layout).backward(grad_out)
+        out, _, _ = lightning._lightning_forward(q, k, v, None, decays, layout)
+        out.backward(grad_out)
 
     return step
 

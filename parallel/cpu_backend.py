@@ -62,6 +62,8 @@ SOURCE_PATCHES: tuple[SourcePatch, ...] = (
                 _CUDA_DEVICE_SQ, "optimizer.py:907 unit scale"),
     SourcePatch("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
                 _CUDA_DEVICE_SQ, "clip_grads.py:90/103/115 norm buffers"),
+    SourcePatch("megatron.core.utils", "local_multi_tensor_l2_norm",
+                _CUDA_DEVICE, "utils.py:1207 grad norm without apex (clip_grads.py:108)"),
     SourcePatch("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
                 _CUDA_DEVICE_SQ + _CUDA_FLOAT_TYPE, "clip_grads.py:167 grad type check, :174 overflow buffer"),
     SourcePatch("megatron.core.optimizer.clip_grads", "count_zeros_fp32",

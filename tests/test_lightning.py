@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megacispo.models import lightning
 from megacispo.models.lightning import (
     lightning_attention,
     lightning_attention_reference,
@@ -43,9 +44,16 @@ def weighted_loss(out: torch.Tensor, final_state: torch.Tensor, seed: int = 2) -
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7]
 
 
+@pytest.fixture(params=[1, 2, None], ids=["chunk=1block", "chunk=2blocks", "chunk=default"])
+def chunk_blocks(request, monkeypatch) -> None:
+    """Blocks are processed in chunks; small chunks make the state cross chunk boundaries."""
+    if request.param is not None:
+        monkeypatch.setattr(lightning, "CHUNK_TOKENS", request.param * BLOCK)
+
+
 @pytest.mark.parametrize("with_initial_state", [False, True])
 @pytest.mark.parametrize("seq_len", LENGTHS)
-def test_blockwise_matches_recurrence(seq_len: int, with_initial_state: bool) -> None:
+def test_blockwise_matches_recurrence(seq_len: int, with_initial_state: bool, chunk_blocks) -> None:
     q, k, v = random_qkv(2, seq_len)
     initial_state = random_state(2) if with_initial_state else None
     expected_out, expected_state = lightning_attention_reference(q, k, v, DECAY, initial_state)
@@ -74,7 +82,7 @@ def test_fp32_stays_fp32_and_close_to_fp64() -> None:
 
 @pytest.mark.parametrize("with_initial_state", [False, True])
 @pytest.mark.parametrize("seq_len", [1, BLOCK, BLOCK + 1, 3 * BLOCK + 7])
-def test_gradients_match_autograd_through_recurrence(seq_len: int, with_initial_state: bool) -> None:
+def test_gradients_match_autograd_through_recurrence(seq_len: int, with_initial_state: bool, chunk_blocks) -> None:
     q, k, v = random_qkv(2, seq_len)
     inputs = [q, k, v] + ([random_state(2)] if with_initial_state else [])
 
@@ -87,7 +95,10 @@ def test_gradients_match_autograd_through_recurrence(seq_len: int, with_initial_
         torch.testing.assert_close(got.grad, ref.grad, **EXACT, msg=f"gradient of {name}")
 
 
-def test_gradcheck_tiny() -> None:
+@pytest.mark.parametrize("chunk_tokens", [3, 6, None])
+def test_gradcheck_tiny(chunk_tokens: int | None, monkeypatch) -> None:
+    if chunk_tokens is not None:
+        monkeypatch.setattr(lightning, "CHUNK_TOKENS", chunk_tokens)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 7, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
     initial_state = torch.randn(1, 2, 3, 3, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -109,7 +120,7 @@ DOC_LENGTHS = [1, 5, BLOCK, BLOCK + 3, 2, 2 * BLOCK + 9, 1]
 
 
 @pytest.mark.parametrize("with_initial_state", [False, True])
-def test_packed_equals_separate_documents(with_initial_state: bool) -> None:
+def test_packed_equals_separate_documents(with_initial_state: bool, chunk_blocks) -> None:
     cu_seqlens = torch.tensor([0] + DOC_LENGTHS).cumsum(0).to(torch.int32)
     q, k, v = random_qkv(1, sum(DOC_LENGTHS))
     inputs = [q, k, v] + ([random_state(len(DOC_LENGTHS))] if with_initial_state else [])

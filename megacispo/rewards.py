@@ -1,0 +1,315 @@
+"""Rule-based verifiers behind one registry, and a scorer that survives a verifier that raises.
+
+Every reward has the signature ``reward(response: str, record: PromptRecord) -> float``; the
+record carries the reference answer and the prompt line's extra fields. ``get_reward_fn`` takes a
+registered name (``exact_match``, ``numeric``, ``boxed_math``) or a user function as
+``module:function``, imported at start-up so a typo fails before the first rollout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Callable, Sequence
+
+from megacispo.data import PromptRecord
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, PromptRecord], float]
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+
+# numeric: |prediction - answer| <= max(abs_tol, rel_tol * |answer|). A record may carry its own
+# absolute tolerance in the extra field "tolerance".
+NUMERIC_ABS_TOL = Decimal("1e-6")
+NUMERIC_REL_TOL = Decimal("1e-9")
+
+# How much of a prompt or response a failure warning shows, and how many failures of one call are
+# logged in full (a broken verifier fails on every sample; one line per sample would flood the log).
+LOG_TRUNCATE_CHARS = 200
+MAX_LOGGED_FAILURES = 3
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def register(fn: RewardFn) -> RewardFn:
+        if name in REWARD_FUNCTIONS:
+            raise ValueError(f"reward {name!r} is already registered; pick another name")
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return register
+
+
+def reward_names() -> list[str]:
+    return sorted(REWARD_FUNCTIONS)
+
+
+# ---------------------------------------------------------------------------------------------
+# exact_match
+# ---------------------------------------------------------------------------------------------
+
+
+@register_reward("exact_match")
+def exact_match(response: str, record: PromptRecord) -> float:
+    """1.0 if the response equals the answer once surrounding whitespace is stripped, else 0.0."""
+    return float(response.strip() == record.answer.strip())
+
+
+# ---------------------------------------------------------------------------------------------
+# numeric
+# ---------------------------------------------------------------------------------------------
+
+# A sign counts only where it cannot be a binary operator: "12-7" holds the numbers 12 and 7, not
+# 12 and -7. Thousands separators only in their strict form (1,234,567), so "3,4" stays 3 and 4.
+_NUMBER_PATTERN = re.compile(
+    r"(?P<sign>(?<![\w)\]}.])[-+\u2212])?"
+    r"(?P<body>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)"
+    r"(?P<exponent>[eE][-+]?\d+)?"
+)
+
+
+def _to_decimal(match: re.Match) -> Decimal:
+    sign = "-" if match["sign"] in ("-", "\u2212") else ""
+    return Decimal(sign + match["body"].replace(",", "") + (match["exponent"] or ""))
+
+
+def last_number(text: str) -> Decimal | None:
+    """The last number written in ``text`` (exact, as a Decimal), or None if there is none."""
+    matches = list(_NUMBER_PATTERN.finditer(text))
+    return _to_decimal(matches[-1]) if matches else None
+
+
+def parse_number(text: str) -> Decimal | None:
+    """``text`` as a number if it is exactly one (surrounding whitespace allowed), else None."""
+    match = _NUMBER_PATTERN.fullmatch(text.strip())
+    return _to_decimal(match) if match else None
+
+
+def _numeric_tolerance(record: PromptRecord) -> Decimal:
+    tolerance = record.extra.get("tolerance")
+    if tolerance is None:
+        return NUMERIC_ABS_TOL
+    try:
+        return Decimal(str(tolerance))
+    except InvalidOperation as error:
+        raise ValueError(f"record field 'tolerance'={tolerance!r} is not a number; write e.g. 0.01") from error
+
+
+@register_reward("numeric")
+def numeric(response: str, record: PromptRecord) -> float:
+    """1.0 if the last number in the response equals the answer within tolerance, else 0.0."""
+    target = parse_number(record.answer)
+    if target is None:
+        raise ValueError(f"answer {record.answer!r} is not a number; the 'numeric' reward needs numeric answers")
+    prediction = last_number(response)
+    if prediction is None:
+        return 0.0
+    tolerance = max(_numeric_tolerance(record), NUMERIC_REL_TOL * abs(target))
+    return float(abs(prediction - target) <= tolerance)
+
+
+# ---------------------------------------------------------------------------------------------
+# boxed_math
+# ---------------------------------------------------------------------------------------------
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def _braced_content(text: str, open_index: int) -> str | None:
+    """Content of the {...} group opening at ``open_index``, nested braces included; None if unclosed."""
+    depth = 0
+    for index in range(open_index, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_index + 1 : index]
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, or None."""
+    starts = [(text.rfind(command), command) for command in _BOX_COMMANDS]
+    start, command = max(starts)
+    while start >= 0:
+        brace = start + len(command)
+        while brace < len(text) and text[brace] == " ":
+            brace += 1
+        if brace < len(text) and text[brace] == "{":
+            content = _braced_content(text, brace)
+            if content is not None:
+                return content
+        starts = [(text.rfind(cmd, 0, start), cmd) for cmd in _BOX_COMMANDS]
+        start, command = max(starts)
+    return None
+
+
+_TEXT_COMMAND = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+# Spacing commands and sizing prefixes that change how an answer looks, never what it is.
+_REMOVED_TOKENS = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}")
+
+
+def normalize_math_answer(text: str) -> str:
+    """A canonical string for comparing math answers: spacing, $, \\text{}, \\dfrac forms removed."""
+    text = _TEXT_COMMAND.sub(r"\1", text)
+    for token in _REMOVED_TOKENS:
+        text = text.replace(token, "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = "".join(text.split())
+    return text.rstrip(".")
+
+
+def math_answers_equal(predicted: str, reference: str) -> bool:
+    predicted, reference = normalize_math_answer(predicted), normalize_math_answer(reference)
+    if predicted == reference:
+        return True
+    predicted_number, reference_number = parse_number(predicted), parse_number(reference)
+    # "0.50" and "0.5", "1,000" and "1000" are the same answer.
+    return predicted_number is not None and predicted_number == reference_number
+
+
+@register_reward("boxed_math")
+def boxed_math(response: str, record: PromptRecord) -> float:
+    """1.0 if the last \\boxed{...} of the response matches the answer after normalization, else 0.0.
+
+    The answer may itself be boxed (datasets often store the solution's final \\boxed{...}).
+    """
+    predicted = last_boxed(response)
+    if predicted is None:
+        return 0.0
+    reference = last_boxed(record.answer)
+    return float(math_answers_equal(predicted, record.answer if reference is None else reference))
+
+
+# ---------------------------------------------------------------------------------------------
+# Look-up, user functions
+# ---------------------------------------------------------------------------------------------
+
+_SPEC_HELP = "give a registered name ({names}) or a user function as 'module:function', e.g. 'my_rewards:score'"
+
+
+def _spec_error(spec: str, problem: str) -> ValueError:
+    return ValueError(f"reward {spec!r}: {problem}; " + _SPEC_HELP.format(names=", ".join(reward_names())))
+
+
+def _import_module(spec: str, module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name or module_name.startswith(f"{error.name}."):
+            raise _spec_error(
+                spec, f"module {module_name!r} not found; put its directory on PYTHONPATH or fix the name"
+            ) from error
+        raise _spec_error(spec, f"importing module {module_name!r} failed: {error}") from error
+    except Exception as error:
+        raise _spec_error(
+            spec, f"importing module {module_name!r} failed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _load_user_reward(spec: str) -> RewardFn:
+    module_name, _, attribute_path = spec.partition(":")
+    if not module_name or not attribute_path:
+        raise _spec_error(spec, "a user function needs both parts of 'module:function'")
+    target = _import_module(spec, module_name)
+    for attribute in attribute_path.split("."):
+        if not hasattr(target, attribute):
+            raise _spec_error(spec, f"module {module_name!r} has no attribute {attribute_path!r}; check the name")
+        target = getattr(target, attribute)
+    if not callable(target):
+        raise _spec_error(spec, f"{attribute_path!r} is a {type(target).__name__}, not a function")
+    try:
+        inspect.signature(target).bind("response", PromptRecord(prompt="", answer=""))
+    except TypeError as error:
+        raise _spec_error(
+            spec, f"{attribute_path!r} cannot be called as fn(response, record) ({error})"
+        ) from error
+    except ValueError:
+        pass  # Builtins may have no inspectable signature; calling them is the only test.
+    return target
+
+
+def get_reward_fn(name_or_spec: str) -> RewardFn:
+    """A registered reward by name, or a user function ``module:function`` imported now."""
+    if name_or_spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name_or_spec]
+    if ":" not in name_or_spec:
+        raise _spec_error(name_or_spec, "unknown reward name")
+    return _load_user_reward(name_or_spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Safe scoring
+# ---------------------------------------------------------------------------------------------
+
+
+def _truncate(text: str) -> str:
+    if len(text) <= LOG_TRUNCATE_CHARS:
+        return repr(text)
+    return repr(text[:LOG_TRUNCATE_CHARS]) + f"... ({len(text)} chars)"
+
+
+def _score_one(reward_fn: RewardFn, response: str, record: PromptRecord) -> tuple[float | None, str]:
+    """(reward, "") or (None, why it failed)."""
+    try:
+        reward = reward_fn(response, record)
+    except Exception as error:
+        return None, f"raised {type(error).__name__}: {error}"
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        return None, f"returned {type(reward).__name__} {reward!r}, not a number"
+    # A NaN or inf reward would poison every advantage of its group.
+    if not math.isfinite(reward):
+        return None, f"returned {reward}"
+    return reward, ""
+
+
+def score_responses(
+    reward_fn: RewardFn,
+    responses: Sequence[str],
+    records: Sequence[PromptRecord],
+    failure_reward: float,
+) -> tuple[list[float], int]:
+    """Reward every (response, record) pair; return (rewards, num_failures).
+
+    A reward that raises, or returns a non-number or a non-finite value, is logged as a warning
+    with the sample's prompt and response (truncated) and scored ``failure_reward``: one bad
+    sample costs its reward, not the run.
+    """
+    if len(responses) != len(records):
+        raise ValueError(
+            f"score_responses got {len(responses)} responses but {len(records)} records; "
+            "pass one record per response (repeat each prompt's record for its G samples)"
+        )
+    rewards = []
+    num_failures = 0
+    for response, record in zip(responses, records):
+        reward, failure = _score_one(reward_fn, response, record)
+        if reward is None:
+            num_failures += 1
+            reward = failure_reward
+            if num_failures <= MAX_LOGGED_FAILURES:
+                logger.warning(
+                    "reward %s %s for prompt %s, response %s; scored %s",
+                    getattr(reward_fn, "__name__", repr(reward_fn)),
+                    failure,
+                    _truncate(record.prompt),
+                    _truncate(response),
+                    failure_reward,
+                )
+        rewards.append(reward)
+    if num_failures > MAX_LOGGED_FAILURES:
+        logger.warning(
+            "reward failed on %d of %d samples (the first %d logged above)",
+            num_failures,
+            len(responses),
+            MAX_LOGGED_FAILURES,
+        )
+    return rewards, num_failures

@@ -1,0 +1,279 @@
+"""The hybrid lightning-attention MoE model's configuration: its fields, their validation, the named
+sizes, the parameter count, and its translation to Megatron-Core's TransformerConfig.
+
+The layer pattern is a string of ``L`` (lightning attention) and ``S`` (softmax attention) repeated
+over the layers: MiniMax-M1's 80 layers are ``"LLLLLLLS"`` ten times (softmax attention at 0-based
+layers 7, 15, ..., 79).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megacispo.parallel.layout import ModelShape, ParallelConfig
+
+LIGHTNING = "L"
+SOFTMAX = "S"
+
+
+@dataclass(kw_only=True)
+class HybridModelConfig:
+    """Dimensions and numerics of a MiniMax-M1 style hybrid lightning-attention MoE decoder."""
+
+    num_layers: int
+    """Decoder layers L (lightning and softmax together)."""
+    hidden_size: int
+    """Residual stream width H."""
+    num_attention_heads: int
+    """Query heads of every mixer (lightning attention has as many key/value heads)."""
+    head_dim: int
+    """Channels per head d; the attention width num_attention_heads * head_dim may differ from H."""
+    num_query_groups: int
+    """Key/value heads of the softmax-attention layers (GQA)."""
+    rotary_dim: int
+    """RoPE rotates the first rotary_dim channels of each softmax head (MiniMax: head_dim / 2; HF: head_dim)."""
+    rotary_base: float
+    """RoPE base (theta)."""
+    num_experts: int
+    """Routed experts per MoE layer (every layer has one; no shared expert)."""
+    moe_router_topk: int
+    """Experts each token is sent to; their softmax weights are renormalized to sum to 1."""
+    moe_ffn_hidden_size: int
+    """Intermediate width I of each SwiGLU expert."""
+    moe_aux_loss_coeff: float = 1e-3
+    """Coefficient of the Switch-style load-balancing loss."""
+    vocab_size: int
+    """Vocabulary size V (untied embedding and LM head)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the layer RMSNorms and the final RMSNorm."""
+    lightning_norm_eps: float = 1e-6
+    """Epsilon of the RMSNorm over the nh * d lightning-attention output channels (HF's default)."""
+    linear_attn_alpha_factor: float
+    """Weight of the normalized input in the residual after a lightning-attention mixer."""
+    linear_attn_beta_factor: float = 1.0
+    """Weight of the lightning-attention output in its residual."""
+    full_attn_alpha_factor: float
+    """Weight of the normalized input in the residual after a softmax-attention mixer."""
+    full_attn_beta_factor: float = 1.0
+    """Weight of the softmax-attention output in its residual."""
+    mlp_alpha_factor: float
+    """Weight of the normalized input in the residual after the MoE."""
+    mlp_beta_factor: float = 1.0
+    """Weight of the MoE output in its residual."""
+    lightning_block_size: int = 256
+    """Block length B of the block-wise lightning attention (numerics do not depend on it)."""
+    layer_pattern: str = "LLLLLLLS"
+    """Mixer kinds, L = lightning, S = softmax, repeated over the layers; its length must divide num_layers."""
+    max_position_embeddings: int = 131072
+    """Longest sequence the model is meant for (recorded for conversion; RoPE itself has no limit)."""
+    fp32_lm_head: bool = True
+    """Compute the LM head and everything after it in fp32 even when the model runs in bf16."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, its value and the fix."""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "head_dim", "num_query_groups",
+                     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "vocab_size",
+                     "lightning_block_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name} = {value!r}: it must be a positive integer.")
+        for name in ("norm_eps", "lightning_norm_eps", "rotary_base"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} = {getattr(self, name)!r}: it must be positive.")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"model.moe_aux_loss_coeff = {self.moe_aux_loss_coeff!r}: it must be >= 0 (0 turns it off).")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups = {self.num_query_groups} does not divide num_attention_heads = "
+                f"{self.num_attention_heads}: choose a divisor of the head count."
+            )
+        if self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(
+                f"model.rotary_dim = {self.rotary_dim}: it must be even and in [2, head_dim = {self.head_dim}] "
+                f"(MiniMax uses head_dim / 2, HF transformers head_dim)."
+            )
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(
+                f"model.moe_router_topk = {self.moe_router_topk} exceeds num_experts = {self.num_experts}: "
+                f"route to at most num_experts experts."
+            )
+        if not self.layer_pattern or set(self.layer_pattern) - {LIGHTNING, SOFTMAX}:
+            raise ValueError(
+                f"model.layer_pattern = {self.layer_pattern!r}: use only {LIGHTNING!r} (lightning) and "
+                f"{SOFTMAX!r} (softmax), e.g. 'LLLLLLLS'."
+            )
+        if self.num_layers % len(self.layer_pattern):
+            raise ValueError(
+                f"model.layer_pattern = {self.layer_pattern!r} (length {len(self.layer_pattern)}) does not "
+                f"divide num_layers = {self.num_layers}: give a pattern whose length divides the layer count "
+                f"(or one character per layer)."
+            )
+
+    def layer_kind(self, layer_idx: int) -> str:
+        """'L' or 'S' for the 0-based global layer index."""
+        return self.layer_pattern[layer_idx % len(self.layer_pattern)]
+
+    @property
+    def layer_kinds(self) -> str:
+        """One character per layer."""
+        return "".join(self.layer_kind(i) for i in range(self.num_layers))
+
+    def residual_factors(self, layer_idx: int) -> tuple[float, float, float, float]:
+        """(mixer alpha, mixer beta, mlp alpha, mlp beta) of a layer."""
+        if self.layer_kind(layer_idx) == LIGHTNING:
+            mixer = (self.linear_attn_alpha_factor, self.linear_attn_beta_factor)
+        else:
+            mixer = (self.full_attn_alpha_factor, self.full_attn_beta_factor)
+        return (*mixer, self.mlp_alpha_factor, self.mlp_beta_factor)
+
+    def replace(self, **changes) -> HybridModelConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def deepnorm_alpha(num_layers: int) -> float:
+    """MiniMax's residual weight alpha = (2 L)^(1/4)."""
+    return (2 * num_layers) ** 0.25
+
+
+def _sized(num_layers: int, **fields) -> HybridModelConfig:
+    alpha = deepnorm_alpha(num_layers)
+    return HybridModelConfig(
+        num_layers=num_layers,
+        linear_attn_alpha_factor=alpha,
+        full_attn_alpha_factor=alpha,
+        mlp_alpha_factor=alpha,
+        **fields,
+    )
+
+
+MODEL_SIZES = {
+    # CPU tests: ~0.6M parameters, two lightning blocks in a 32-token sequence.
+    "tiny": lambda: _sized(
+        8, hidden_size=64, num_attention_heads=4, head_dim=16, num_query_groups=2, rotary_dim=8,
+        rotary_base=10_000.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, vocab_size=512,
+        lightning_block_size=16, max_position_embeddings=4096,
+    ),
+    # CPU benchmarks: ~30M parameters.
+    "small": lambda: _sized(
+        8, hidden_size=256, num_attention_heads=8, head_dim=32, num_query_groups=2, rotary_dim=16,
+        rotary_base=10_000.0, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=384, vocab_size=16384,
+        lightning_block_size=64, max_position_embeddings=8192,
+    ),
+    # MiniMax-M1 / MiniMax-Text-01 (456B total, 45.9B activated).
+    "minimax-m1": lambda: _sized(
+        80, hidden_size=6144, num_attention_heads=64, head_dim=128, num_query_groups=8, rotary_dim=64,
+        rotary_base=10_000_000.0, num_experts=32, moe_router_topk=2, moe_ffn_hidden_size=9216,
+        vocab_size=200_064, lightning_block_size=256, max_position_embeddings=10_240_000,
+    ),
+}
+
+
+def model_config(name: str, **overrides) -> HybridModelConfig:
+    """A named size, optionally with some fields changed."""
+    if name not in MODEL_SIZES:
+        raise ValueError(f"model size {name!r} is unknown: choose one of {sorted(MODEL_SIZES)}.")
+    config = MODEL_SIZES[name]()
+    return config.replace(**overrides) if overrides else config
+
+
+def parameter_breakdown(config: HybridModelConfig) -> dict[str, int]:
+    """Parameter counts per component (all layers together)."""
+    hidden, width = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv_width = config.num_query_groups * config.head_dim
+    num_lightning = config.layer_kinds.count(LIGHTNING)
+    num_softmax = config.num_layers - num_lightning
+    expert = 3 * hidden * config.moe_ffn_hidden_size  # gate, up and down projections
+    return {
+        "embedding": config.vocab_size * hidden,
+        "lm_head": config.vocab_size * hidden,
+        # qkv_proj, output_gate, out_proj and the output RMSNorm over nh * d channels.
+        "lightning_attention": num_lightning * (3 * hidden * width + 2 * hidden * width + width),
+        "softmax_attention": num_softmax * (2 * hidden * width + 2 * hidden * kv_width),
+        "router": config.num_layers * config.num_experts * hidden,
+        "experts": config.num_layers * config.num_experts * expert,
+        "norms": (2 * config.num_layers + 1) * hidden,
+    }
+
+
+def parameter_counts(config: HybridModelConfig) -> tuple[int, int]:
+    """(total, activated) parameters; activated excludes the embedding and the LM head and counts
+    only the top-k experts of each layer, as the MiniMax model card does."""
+    parts = parameter_breakdown(config)
+    total = sum(parts.values())
+    inactive_experts = config.num_layers * (config.num_experts - config.moe_router_topk)
+    activated = total - parts["embedding"] - parts["lm_head"] - inactive_experts * 3 * config.hidden_size * config.moe_ffn_hidden_size
+    return total, activated
+
+
+def model_shape(config: HybridModelConfig) -> ModelShape:
+    """The dimensions a parallel layout must divide (for parallel.layout.validate_layout)."""
+    return ModelShape(
+        num_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        num_experts=config.num_experts,
+    )
+
+
+def transformer_config(
+    config: HybridModelConfig,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    init_method_std: float = 0.02,
+):
+    """Megatron-Core's TransformerConfig for this model under ``parallel``.
+
+    params_dtype float32 or bfloat16 (bf16 also sets Megatron's bf16 flag, so that Megatron's
+    Float16Module and mixed-precision optimizer apply). On a CPU-only torch weights are created on
+    the CPU. Dense-MLP fields are unused: every layer's MLP is the MoE.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"params_dtype = {params_dtype}: use torch.float32 or torch.bfloat16.")
+    return TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        kv_channels=config.head_dim,
+        num_query_groups=config.num_query_groups,
+        ffn_hidden_size=config.moe_ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        init_method_std=init_method_std,
+        num_moe_experts=config.num_experts,
+        moe_router_topk=config.moe_router_topk,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=config.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss",
+        # Top-k of the logits, then softmax over the k: the same as softmax, top-k, renormalize.
+        moe_router_pre_softmax=False,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
