@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import random
-import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
@@ -98,7 +98,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file beside ``path``, then rename: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    file_descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    temp_name = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    # os.open with 0o666 applies the umask, as open() would (mkstemp would leave the file 0600).
+    file_descriptor = os.open(temp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(file_descriptor, "wb") as temp_file:
             temp_file.write(data)

@@ -104,10 +104,11 @@ def generate_task_data(
     Deterministic in (task, counts, seed). ``num_sft`` defaults to ``num_train``.
     """
     num_sft = num_train if num_sft is None else num_sft
-    if num_train < 1 or num_test < 0:
-        raise ValueError(f"num_train={num_train} must be >= 1 and num_test={num_test} >= 0")
-    if not 0 <= num_sft <= num_train:
-        raise ValueError(f"num_sft={num_sft} must be in [0, num_train={num_train}]: SFT pairs are drawn from train")
+    # Every file must hold a record: load_prompts rejects an empty one.
+    if num_train < 1 or num_test < 1:
+        raise ValueError(f"num_train={num_train} and num_test={num_test} must both be >= 1")
+    if not 1 <= num_sft <= num_train:
+        raise ValueError(f"num_sft={num_sft} must be in [1, num_train={num_train}]: SFT pairs are drawn from train")
     if num_train + num_test > task.num_problems:
         raise ValueError(
             f"num_train + num_test = {num_train + num_test} exceeds the {task.num_problems} distinct problems of "

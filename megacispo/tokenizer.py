@@ -77,6 +77,10 @@ class Tokenizer:
         return self._processor.pad_id()
 
     @property
+    def unk_id(self) -> int:
+        return self._processor.unk_id()
+
+    @property
     def bos_id(self) -> int:
         return self._processor.bos_id()
 
@@ -90,14 +94,14 @@ class Tokenizer:
         return self._processor.EncodeAsIds(text, add_bos=add_bos, add_eos=add_eos)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``. pad, bos and eos decode to nothing."""
-        ids = [int(token_id) for token_id in ids]
-        for token_id in ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"token id {token_id} is outside the tokenizer's vocabulary [0, {self.vocab_size}); "
-                    "a model with a larger (padded) vocabulary sampled an id no piece has"
-                )
+        """Text of ``ids``. pad, bos and eos decode to nothing.
+
+        An id outside [0, vocab_size) decodes as <unk> (" \u2047 "): a model whose embedding is
+        padded past the tokenizer can sample one, and the text must show it rather than drop it
+        (dropping "1<junk>9" to "19" would hand out reward for a malformed response).
+        """
+        vocab_size = self.vocab_size
+        ids = [token_id if 0 <= token_id < vocab_size else self.unk_id for token_id in map(int, ids)]
         return self._processor.DecodeIds(ids)
 
     def id_to_piece(self, token_id: int) -> str:

@@ -238,13 +238,25 @@ def _doc_to_public_states(state: torch.Tensor, packed: bool) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """A run of whole blocks processed together; its real tokens are one contiguous token range."""
+    """A run of whole blocks processed together; its real tokens are one contiguous token range.
+
+    The *_lag fields say, per block g of the chunk, which power m of exp(-s B) links two states,
+    or -1 where they are unrelated (different documents): they turn the block-to-block state
+    recurrence inside the chunk into a few batched ops instead of a Python loop over blocks.
+    """
 
     first_block: int
     num_blocks: int
     token_start: int
     token_end: int
-    token_slots: torch.Tensor  # [token_end - token_start] long: slot of each token inside the chunk
+    token_slots: torch.Tensor  # [tokens] long: slot of each of the chunk's tokens in its [G * B] slots
+    block_docs: torch.Tensor  # [G] long: document of each block
+    within_lag: torch.Tensor  # [G, G] long: g - 1 - g' if block g' < g in the same document
+    carry_in_lag: torch.Tensor  # [G] long: g if block g continues the document entering the chunk
+    carry_out_lag: torch.Tensor  # [G] long: G - 1 - g if block g's document continues after the chunk
+    end_lag: torch.Tensor  # [G] long: e - g if block g's document ends inside the chunk at block e
+    final_blocks: torch.Tensor  # [k] long: the blocks that end a document
+    final_docs: torch.Tensor  # [k] long: their documents
 
 
 @dataclass(frozen=True)
@@ -252,55 +264,80 @@ class _BlockLayout:
     """Where each token lives once documents are front-padded to whole blocks."""
 
     block_size: int
-    num_blocks: int
+    blocks_per_chunk: int
+    num_docs: int
     chunks: list[_Chunk]
     slot_positions: torch.Tensor  # [nb, B] long: position in its document (negative = padding)
     doc_lengths: torch.Tensor  # [D] long
-    doc_of_block: torch.Tensor  # [nb] long
-    block_starts_doc: list[bool]  # [nb]: the state resets when entering this block
-    block_ends_doc: list[bool]  # [nb]: the state leaving this block is its document's final state
-    block_doc: list[int]  # [nb]: doc_of_block on the host
 
     @staticmethod
     def build(doc_lengths: list[int], block_size: int, blocks_per_chunk: int, device: torch.device) -> _BlockLayout:
         lengths = torch.tensor(doc_lengths, dtype=torch.long)
         blocks_per_doc = (lengths + block_size - 1) // block_size
-        last_blocks = torch.cumsum(blocks_per_doc, 0) - 1
-        first_blocks = last_blocks - blocks_per_doc + 1
-        first_token_slot = first_blocks * block_size + blocks_per_doc * block_size - lengths
+        first_blocks = torch.cumsum(blocks_per_doc, 0) - blocks_per_doc
+        first_token_slot = (first_blocks + blocks_per_doc) * block_size - lengths  # slot of each document's token 0
         doc_starts = torch.cumsum(lengths, 0) - lengths
-        num_docs, num_blocks = len(doc_lengths), int(blocks_per_doc.sum())
-        docs = torch.arange(num_docs)
+        docs = torch.arange(len(doc_lengths))
         token_slots = torch.arange(int(lengths.sum())) + torch.repeat_interleave(first_token_slot - doc_starts, lengths)
+        num_blocks = int(blocks_per_doc.sum())
         slot_doc = torch.repeat_interleave(docs, blocks_per_doc * block_size)
         slot_positions = torch.arange(num_blocks * block_size) - first_token_slot[slot_doc]
         doc_of_block = torch.repeat_interleave(docs, blocks_per_doc)
-        first_set, last_set = set(first_blocks.tolist()), set(last_blocks.tolist())
+        chunks = [
+            _build_chunk(first, min(blocks_per_chunk, num_blocks - first), token_slots, doc_of_block, block_size, device)
+            for first in range(0, num_blocks, blocks_per_chunk)
+        ]
         return _BlockLayout(
             block_size=block_size,
-            num_blocks=num_blocks,
-            chunks=_split_chunks(token_slots, num_blocks, block_size, blocks_per_chunk, device),
+            blocks_per_chunk=blocks_per_chunk,
+            num_docs=len(doc_lengths),
+            chunks=chunks,
             slot_positions=slot_positions.view(num_blocks, block_size).to(device),
             doc_lengths=lengths.to(device),
-            doc_of_block=doc_of_block.to(device),
-            block_starts_doc=[c in first_set for c in range(num_blocks)],
-            block_ends_doc=[c in last_set for c in range(num_blocks)],
-            block_doc=doc_of_block.tolist(),
         )
 
 
-def _split_chunks(
-    token_slots: torch.Tensor, num_blocks: int, block_size: int, blocks_per_chunk: int, device: torch.device
-) -> list[_Chunk]:
-    chunks = []
-    for first_block in range(0, num_blocks, blocks_per_chunk):
-        num = min(blocks_per_chunk, num_blocks - first_block)
-        slot_start = first_block * block_size
-        # token_slots is increasing, so the chunk's tokens form a contiguous range.
-        token_start, token_end = torch.searchsorted(token_slots, torch.tensor([slot_start, slot_start + num * block_size])).tolist()
-        chunk_slots = (token_slots[token_start:token_end] - slot_start).to(device)
-        chunks.append(_Chunk(first_block, num, token_start, token_end, chunk_slots))
-    return chunks
+def _build_chunk(
+    first_block: int,
+    num_blocks: int,
+    token_slots: torch.Tensor,
+    doc_of_block: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> _Chunk:
+    slot_start, slot_end = first_block * block_size, (first_block + num_blocks) * block_size
+    # token_slots is increasing, so the chunk's tokens form a contiguous range.
+    token_start, token_end = torch.searchsorted(token_slots, torch.tensor([slot_start, slot_end])).tolist()
+    docs = doc_of_block[first_block : first_block + num_blocks]  # [G]
+    g = torch.arange(num_blocks)
+    same_doc = docs[:, None] == docs[None, :]  # [G, G]
+    lag = g[:, None] - 1 - g[None, :]
+    continues_before = first_block > 0 and bool(doc_of_block[first_block - 1] == docs[0])
+    after = first_block + num_blocks
+    continues_after = after < len(doc_of_block) and bool(doc_of_block[after] == docs[-1])
+    ends_doc = torch.ones(num_blocks, dtype=torch.bool)
+    ends_doc[:-1] = docs[1:] != docs[:-1]
+    ends_doc[-1] = not continues_after
+    last_in_chunk = torch.where(same_doc, g[None, :], -1).amax(dim=1)  # [G]: last block of g's document here
+    final_blocks = torch.nonzero(ends_doc).flatten()
+
+    def where(condition: torch.Tensor, lags: torch.Tensor) -> torch.Tensor:
+        return torch.where(condition, lags, -1).to(device)
+
+    return _Chunk(
+        first_block=first_block,
+        num_blocks=num_blocks,
+        token_start=token_start,
+        token_end=token_end,
+        token_slots=(token_slots[token_start:token_end] - slot_start).to(device),
+        block_docs=docs.to(device),
+        within_lag=where(same_doc & (lag >= 0), lag),
+        carry_in_lag=where((docs == docs[0]) & continues_before, g),
+        carry_out_lag=where((docs == docs[-1]) & continues_after, num_blocks - 1 - g),
+        end_lag=where(ends_doc[last_in_chunk], last_in_chunk - g),
+        final_blocks=final_blocks.to(device),
+        final_docs=docs[final_blocks].to(device),
+    )
 
 
 @dataclass(frozen=True)
@@ -310,7 +347,8 @@ class _BlockDecays:
     intra: torch.Tensor  # [h, 1, B, B]: exp(-s (i - j)) for i >= j, else 0
     query: torch.Tensor  # [h, 1, B, 1]: exp(-s (i + 1)), the state entering the block seen at row i
     key: torch.Tensor  # [h, 1, B, 1]: exp(-s (B - 1 - j)), key j decayed to the block's end
-    block: torch.Tensor  # [h, 1, 1]: exp(-s B), the state carried across one whole block
+    block: torch.Tensor  # [h, 1, 1, 1]: exp(-s B), the state carried across one whole block
+    block_powers: torch.Tensor  # [h, G + 1]: exp(-s B m) for m = 0 .. blocks_per_chunk
     # Only with an initial state:
     initial: torch.Tensor | None  # [h, nb, B, 1]: exp(-s (p + 1)) at document position p (1 on padding)
     initial_to_final: torch.Tensor | None  # [h, D, 1, 1]: exp(-s * document length)
@@ -321,9 +359,11 @@ class _BlockDecays:
     ) -> _BlockDecays:
         device = layout.slot_positions.device
         rate = decay.detach().to(device=device, dtype=torch.float64)[:, None, None]  # [h, 1, 1]
-        steps = torch.arange(layout.block_size, dtype=torch.float64, device=device)
+        block_size = layout.block_size
+        steps = torch.arange(block_size, dtype=torch.float64, device=device)
         distance = steps[:, None] - steps[None, :]  # [B, B]: i - j
         intra = torch.exp(-rate * distance.clamp(min=0)) * (distance >= 0)
+        block_steps = torch.arange(layout.blocks_per_chunk + 1, dtype=torch.float64, device=device)
         initial = initial_to_final = None
         if with_initial_state:
             # Padding slots hold zero q, so their factor is irrelevant; clamping keeps it finite.
@@ -334,11 +374,17 @@ class _BlockDecays:
         return _BlockDecays(
             intra=intra.unsqueeze(1).to(dtype),
             query=torch.exp(-rate * (steps + 1)[:, None]).unsqueeze(1).to(dtype),
-            key=torch.exp(-rate * (layout.block_size - 1 - steps)[:, None]).unsqueeze(1).to(dtype),
-            block=torch.exp(-rate * layout.block_size).to(dtype),
+            key=torch.exp(-rate * (block_size - 1 - steps)[:, None]).unsqueeze(1).to(dtype),
+            block=torch.exp(-rate * block_size).unsqueeze(1).to(dtype),
+            block_powers=torch.exp(-rate[:, 0] * block_size * block_steps).to(dtype),
             initial=initial,
             initial_to_final=initial_to_final,
         )
+
+
+def _lag_decay(decays: _BlockDecays, lag: torch.Tensor) -> torch.Tensor:
+    """exp(-s B lag) where lag >= 0, 0 where lag == -1: [h, *lag.shape]."""
+    return decays.block_powers[:, lag.clamp(min=0)] * (lag >= 0)
 
 
 def _gather_chunk(x: torch.Tensor, chunk: _Chunk, block_size: int) -> torch.Tensor:
@@ -355,15 +401,14 @@ def _scatter_chunk(out: torch.Tensor, blocks: torch.Tensor, chunk: _Chunk) -> No
     out[:, chunk.token_start : chunk.token_end] = real.transpose(1, 2)
 
 
-def _chunk_initial_states(initial_states: torch.Tensor, layout: _BlockLayout, chunk: _Chunk) -> torch.Tensor:
-    """Each block's document initial state, [b, h, G, d, d], from initial_states [b, h, D, d, d]."""
-    block_docs = layout.doc_of_block[chunk.first_block : chunk.first_block + chunk.num_blocks]
-    return initial_states.index_select(2, block_docs)
-
-
 def _chunk_initial_decay(decays: _BlockDecays, chunk: _Chunk) -> torch.Tensor:
     """[h, G, B, 1] slice of decays.initial."""
     return decays.initial[:, chunk.first_block : chunk.first_block + chunk.num_blocks]
+
+
+def _per_block(factor: torch.Tensor) -> torch.Tensor:
+    """[h, G] -> [h, G, 1, 1], to scale [b, h, G, d, d] states block by block."""
+    return factor[..., None, None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,29 +425,20 @@ def _block_key_values(k: torch.Tensor, v: torch.Tensor, decays: _BlockDecays) ->
     return (k * decays.key).transpose(-1, -2) @ v
 
 
-def _scan_states(
-    block_kv: torch.Tensor,
-    running: torch.Tensor,
-    decays: _BlockDecays,
-    layout: _BlockLayout,
-    chunk: _Chunk,
-    final_states: torch.Tensor | None = None,
+def _chunk_states(
+    block_kv: torch.Tensor, entering: torch.Tensor, decays: _BlockDecays, chunk: _Chunk
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """States entering each block of the chunk [b, h, G, d, d], and the state leaving the chunk.
+    """States entering and leaving each block of the chunk, both [b, h, G, d, d].
 
-    running [b, h, d, d] is the state entering the chunk. The state resets at each document's
-    first block; a document's final state is written into final_states [b, h, D, d, d] if given.
+    entering [b, h, d, d] is the state entering the chunk. Unrolled recurrence:
+    entering[g] = sum_{g' < g, same doc} exp(-s B (g - 1 - g')) kv[g'] + exp(-s B g) entering
+    (the last term only while the document entering the chunk goes on); the state resets at
+    document starts because blocks of other documents get factor 0.
     """
-    states = torch.empty_like(block_kv)
-    for g in range(chunk.num_blocks):
-        block = chunk.first_block + g
-        if layout.block_starts_doc[block]:
-            running = torch.zeros_like(running)
-        states[:, :, g] = running
-        running = decays.block * running + block_kv[:, :, g]
-        if final_states is not None and layout.block_ends_doc[block]:
-            final_states[:, :, layout.block_doc[block]] = running
-    return states, running
+    within = _lag_decay(decays, chunk.within_lag)  # [h, G, G]
+    carried = _per_block(_lag_decay(decays, chunk.carry_in_lag)) * entering.unsqueeze(2)
+    states = (within @ block_kv.flatten(3)).view_as(block_kv) + carried
+    return states, decays.block * states + block_kv
 
 
 def _forward_chunk(
@@ -427,17 +463,18 @@ def _lightning_forward(
     """
     batch, _, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    final_states = q.new_empty(batch, num_heads, len(layout.doc_lengths), head_dim, head_dim)
+    final_states = q.new_empty(batch, num_heads, layout.num_docs, head_dim, head_dim)
     running = q.new_zeros(batch, num_heads, head_dim, head_dim)
     chunk_entering_states = []
     for chunk in layout.chunks:
         chunk_entering_states.append(running)
         q_blocks, k_blocks, v_blocks = (_gather_chunk(x, chunk, layout.block_size) for x in (q, k, v))
-        block_kv = _block_key_values(k_blocks, v_blocks, decays)
-        states, running = _scan_states(block_kv, running, decays, layout, chunk, final_states)
+        states, leaving = _chunk_states(_block_key_values(k_blocks, v_blocks, decays), running, decays, chunk)
+        running = leaving[:, :, -1]
+        final_states.index_copy_(2, chunk.final_docs, leaving.index_select(2, chunk.final_blocks))
         out_blocks = _forward_chunk(q_blocks, k_blocks, v_blocks, states, decays)
         if initial_states is not None:
-            initial_blocks = _chunk_initial_states(initial_states, layout, chunk)
+            initial_blocks = initial_states.index_select(2, chunk.block_docs)  # [b, h, G, d, d]
             out_blocks = out_blocks + (q_blocks * _chunk_initial_decay(decays, chunk)) @ initial_blocks
         _scatter_chunk(out, out_blocks, chunk)
     if initial_states is not None:
@@ -449,32 +486,27 @@ def _lightning_forward(
 # Backward
 
 
-def _reverse_scan_state_grads(
+def _chunk_state_grads(
     grad_entering_direct: torch.Tensor,
     grad_next_entering: torch.Tensor,
     grad_final: torch.Tensor,
     decays: _BlockDecays,
-    layout: _BlockLayout,
     chunk: _Chunk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradient w.r.t. the state leaving each block of the chunk [b, h, G, d, d], and w.r.t. the
-    state entering the chunk.
+    """Gradient w.r.t. the state leaving each block [b, h, G, d, d] and w.r.t. the state entering
+    the chunk [b, h, d, d].
 
     grad_entering_direct [b, h, G, d, d]: gradient w.r.t. the state entering each block through
     that block's outputs; grad_next_entering [b, h, d, d]: w.r.t. the state entering the next chunk;
-    grad_final [b, h, D, d, d]. The state leaving a block is its document's final state if the block
-    ends a document, else the state entering the next block.
+    grad_final [b, h, D, d, d]. The state leaving block g feeds the later blocks of its document
+    (the transposed recurrence of _chunk_states), its document's final state, or the next chunk.
     """
-    grad_leaving = torch.empty_like(grad_entering_direct)
-    for g in reversed(range(chunk.num_blocks)):
-        block = chunk.first_block + g
-        if layout.block_ends_doc[block]:
-            grad = grad_final[:, :, layout.block_doc[block]]
-        else:
-            grad = grad_next_entering
-        grad_leaving[:, :, g] = grad
-        grad_next_entering = grad_entering_direct[:, :, g] + decays.block * grad
-    return grad_leaving, grad_next_entering
+    within = _lag_decay(decays, chunk.within_lag)  # [h, G, G]
+    grad_leaving = (within.transpose(-1, -2) @ grad_entering_direct.flatten(3)).view_as(grad_entering_direct)
+    grad_leaving += _per_block(_lag_decay(decays, chunk.end_lag)) * grad_final.index_select(2, chunk.block_docs)
+    grad_leaving += _per_block(_lag_decay(decays, chunk.carry_out_lag)) * grad_next_entering.unsqueeze(2)
+    grad_entering_chunk = grad_entering_direct[:, :, 0] + decays.block[:, 0] * grad_leaving[:, :, 0]
+    return grad_leaving, grad_entering_chunk
 
 
 def _intra_grads(
@@ -493,22 +525,20 @@ def _backward_chunk(
     k: torch.Tensor,
     v: torch.Tensor,
     grad_out: torch.Tensor,
-    entering_state: torch.Tensor,
+    entering: torch.Tensor,
     grad_next_entering: torch.Tensor,
     grad_final: torch.Tensor,
     decays: _BlockDecays,
-    layout: _BlockLayout,
     chunk: _Chunk,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad q, k, v of one chunk [b, h, G, B, d] and the gradient w.r.t. the state entering it."""
-    block_kv = _block_key_values(k, v, decays)
-    states, _ = _scan_states(block_kv, entering_state, decays, layout, chunk)
+    states, _ = _chunk_states(_block_key_values(k, v, decays), entering, decays, chunk)
     grad_q, grad_k, grad_v = _intra_grads(q, k, v, grad_out, decays)
     # Right product: out += (Q * q_decay) S_in, and S_out = exp(-s B) S_in + (K * k_decay)^T V.
     grad_q += (grad_out @ states.transpose(-1, -2)) * decays.query
     grad_entering_direct = (q * decays.query).transpose(-1, -2) @ grad_out
-    grad_leaving, grad_entering_chunk = _reverse_scan_state_grads(
-        grad_entering_direct, grad_next_entering, grad_final, decays, layout, chunk
+    grad_leaving, grad_entering_chunk = _chunk_state_grads(
+        grad_entering_direct, grad_next_entering, grad_final, decays, chunk
     )
     grad_k += (v @ grad_leaving.transpose(-1, -2)) * decays.key
     grad_v += (k * decays.key) @ grad_leaving
@@ -534,15 +564,15 @@ def _lightning_backward(
         chunk = layout.chunks[index]
         blocks = [_gather_chunk(x, chunk, layout.block_size) for x in (q, k, v, grad_out)]
         *chunk_grads, grad_next_entering = _backward_chunk(
-            *blocks, chunk_entering_states[:, :, index], grad_next_entering, grad_final, decays, layout, chunk
+            *blocks, chunk_entering_states[:, :, index], grad_next_entering, grad_final, decays, chunk
         )
         if initial_states is not None:
+            q_blocks, grad_out_blocks = blocks[0], blocks[3]
             initial_decay = _chunk_initial_decay(decays, chunk)  # [h, G, B, 1]
-            initial_blocks = _chunk_initial_states(initial_states, layout, chunk)
-            chunk_grads[0] += (blocks[3] @ initial_blocks.transpose(-1, -2)) * initial_decay
-            grad_initial_blocks = (blocks[0] * initial_decay).transpose(-1, -2) @ blocks[3]  # [b, h, G, d, d]
-            block_docs = layout.doc_of_block[chunk.first_block : chunk.first_block + chunk.num_blocks]
-            grad_initial.index_add_(2, block_docs, grad_initial_blocks)
+            initial_blocks = initial_states.index_select(2, chunk.block_docs)  # [b, h, G, d, d]
+            chunk_grads[0] += (grad_out_blocks @ initial_blocks.transpose(-1, -2)) * initial_decay
+            grad_initial_blocks = (q_blocks * initial_decay).transpose(-1, -2) @ grad_out_blocks
+            grad_initial.index_add_(2, chunk.block_docs, grad_initial_blocks)
         for grad, chunk_grad in zip((grad_q, grad_k, grad_v), chunk_grads):
             _scatter_chunk(grad, chunk_grad, chunk)
     return grad_q, grad_k, grad_v, grad_initial
@@ -570,6 +600,6 @@ class _LightningAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, grad_final: torch.Tensor):
         q, k, v, initial_states, chunk_entering_states = ctx.saved_tensors
         grads = _lightning_backward(
-            q, k, v, initial_states, chunk_entering_states, grad_out.contiguous(), grad_final, ctx.decays, ctx.layout
+            q, k, v, initial_states, chunk_entering_states, grad_out, grad_final, ctx.decays, ctx.layout
         )
         return *grads, None, None

@@ -1,0 +1,390 @@
+"""Checkpoints of a run: Megatron distributed checkpoints, written atomically, resumable, reshardable.
+
+One checkpoint is one directory ``root/step_{step:08d}``::
+
+    <Megatron torch_dist files>   model and optimizer state by global tensor key: a checkpoint saved
+                                  at one TP/PP/EP/DP layout loads at any other
+    rng/rank_{r}.pt               rank r's RNG states (python, numpy, torch, Megatron's RNG tracker)
+    meta.json                     step, world size, layout, extra_state (e.g. the sampler position),
+                                  scheduler state, the resolved config
+
+Everything is written into the sibling ``root/.tmp_step_{step:08d}`` first; meta.json is its last
+file, and the rename of the finished directory to ``step_*`` is the commit (os.rename within one
+filesystem is atomic). A crash before the rename leaves only a ``.tmp_*`` directory, which
+``latest_checkpoint`` ignores and the next save removes. One run writes to a root at a time.
+
+The optimizer state uses the distributed optimizer's ``fully_reshardable`` format (per-parameter
+tensors in model space, the way a plain optimizer stores them), so it reshards across TP/PP/DP too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+RNG_DIR = "rng"
+TEMP_PREFIX = ".tmp_"
+_STEP_DIR = re.compile(r"step_(\d+)")
+# Megatron's distributed optimizer state format that reshards across every parallel dimension
+# ('dp_reshardable', Megatron-LM's training default, reshards only across DP).
+OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
+
+
+def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives under ``root``."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def _sharded_metadata() -> dict[str, Any]:
+    """What Megatron's ``sharded_state_dict`` methods are told about the format (a fresh dict per
+    call: Megatron adds its data-parallel process group to it in place)."""
+    return {
+        "distrib_optim_sharding_type": OPTIMIZER_SHARDING_TYPE,
+        "singleton_local_shards": False,
+        # One key space for chained (dense + expert) optimizers: keys come from the parameters.
+        "chained_optim_avoid_prefix": True,
+        # Without CUDA, gather the distributed optimizer's shards with gloo on DP rank 0: the default
+        # (all-gather on every rank) calls send_tensor.cuda() (distrib_optimizer.py:1089 in 0.16.1,
+        # get_parameter_state_dp_zero). Both variants load the same way.
+        "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available(),
+    }
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The MegatronModule inside DDP/FSDP/Float16 wrappers: the wrappers would prefix every key
+    with ``module.``, so the same weights would get different keys with and without DDP."""
+    from megatron.core.utils import unwrap_model
+
+    module = unwrap_model(model)
+    if not hasattr(module, "sharded_state_dict"):
+        raise ValueError(
+            f"model is a {type(module).__name__}, which has no sharded_state_dict(): pass a Megatron-Core "
+            f"MegatronModule (or a DDP wrapper of one)."
+        )
+    return module
+
+
+def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict[str, Any]:
+    metadata = _sharded_metadata()
+    model_state = _unwrap(model).sharded_state_dict(metadata=metadata)
+    state = {"model": model_state}
+    if optimizer is not None:
+        # The optimizer maps its states onto the model's sharding: same tensors, "optimizer." keys.
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
+    return state
+
+
+def parallel_layout() -> dict[str, int]:
+    """This process's Megatron-Core parallel layout, as recorded in meta.json."""
+    from megatron.core import parallel_state
+
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _json_checked(name: str, value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{name} must be plain JSON (dicts, lists, str, int, float, bool, None); "
+            f"json.dumps failed with: {error}. Convert the offending values (e.g. tensors with .item(), "
+            f"paths with str())."
+        ) from error
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states (rank-local)
+# ---------------------------------------------------------------------------------------------
+
+
+def _capture_rng() -> dict[str, Any]:
+    """This rank's RNG states as tensors and plain containers (loadable with weights_only=True)."""
+    from megatron.core import tensor_parallel
+
+    key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)[1:]
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+        # Megatron's named generators (model-parallel RNG for dropout and init in TP regions).
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    numpy_state = state["numpy"]
+    np.random.set_state((
+        "MT19937",
+        numpy_state["key"].numpy().astype(np.uint32),
+        numpy_state["pos"],
+        numpy_state["has_gauss"],
+        numpy_state["cached_gaussian"],
+    ))
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_file(directory: Path, rank: int) -> Path:
+    return directory / RNG_DIR / f"rank_{rank}.pt"
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer=None,
+    scheduler=None,
+    extra_state: dict | None = None,
+    config_dict: dict | None = None,
+    keep_last: int | None = 2,
+) -> Path:
+    """Write the checkpoint of ``step`` under ``root``; call on every rank. Returns its directory.
+
+    ``optimizer`` is a Megatron optimizer (plain or distributed), ``scheduler`` Megatron's
+    OptimizerParamScheduler, ``extra_state`` plain JSON that the caller wants back on resume (the
+    data sampler position, counters), ``config_dict`` the resolved run config. The newest
+    ``keep_last`` complete checkpoints are kept (None: all).
+    """
+    if step < 0:
+        raise ValueError(f"step = {step}: checkpoint steps are non-negative.")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last = {keep_last}: keep at least 1 checkpoint, or pass None to keep all.")
+    extra_state = _json_checked("extra_state", extra_state or {})
+    config_dict = _json_checked("config_dict", config_dict)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": _world_size(),
+        "parallel": parallel_layout(),
+        "has_optimizer": optimizer is not None,
+        "optimizer_sharding_type": OPTIMIZER_SHARDING_TYPE,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "extra_state": extra_state,
+        "config": config_dict,
+    }
+    root = Path(root)
+    final = checkpoint_dir(root, step)
+    temporary = root / f"{TEMP_PREFIX}{final.name}"
+    rank = _rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_temporaries(root)
+        (temporary / RNG_DIR).mkdir(parents=True)
+    _barrier()
+
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(temporary))
+    torch.save(_capture_rng(), _rng_file(temporary, rank))
+    _barrier()
+    if rank == 0:
+        _write_json(temporary / META_FILE, meta)
+        _publish(temporary, final)
+        if keep_last is not None:
+            _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _write_json(path: Path, value: dict) -> None:
+    with open(path, "w") as file:
+        json.dump(value, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _publish(temporary: Path, final: Path) -> None:
+    """Commit a finished checkpoint: one atomic rename (two when the step was saved before)."""
+    if final.exists():
+        # A resumed run saving a step it had saved before: the new checkpoint wins. The old one is
+        # moved aside first, because a directory cannot be renamed onto a non-empty directory.
+        replaced = final.with_name(f"{TEMP_PREFIX}replaced_{final.name}")
+        os.rename(final, replaced)
+        os.rename(temporary, final)
+        shutil.rmtree(replaced)
+    else:
+        os.rename(temporary, final)
+    _fsync_dir(final.parent)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Delete the complete checkpoints older than the newest ``keep_last``."""
+    for old in complete_checkpoints(root)[:-keep_last]:
+        # Renamed before deletion, so an interrupted delete never leaves a half-deleted step_*.
+        doomed = old.with_name(f"{TEMP_PREFIX}deleting_{old.name}")
+        os.rename(old, doomed)
+        shutil.rmtree(doomed)
+
+
+def remove_temporaries(root: str | os.PathLike) -> list[Path]:
+    """Delete what interrupted saves left under ``root`` (``.tmp_*`` directories). Only safe while
+    no save to ``root`` is in progress; ``save_checkpoint`` calls it on rank 0 before writing."""
+    removed = [path for path in Path(root).iterdir() if path.name.startswith(TEMP_PREFIX) and path.is_dir()]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Find and load
+# ---------------------------------------------------------------------------------------------
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under ``root`` (``step_*`` directories with a meta.json), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        path for path in root.iterdir()
+        if path.is_dir() and _step_of(path) is not None and (path / META_FILE).is_file()
+    ]
+    return sorted(found, key=_step_of)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None; interrupted saves are ignored."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's meta.json; ValueError naming the path when ``path`` is not a checkpoint."""
+    path = Path(path)
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise ValueError(
+            f"{path} is not a megacispo checkpoint: it has no {META_FILE} (an interrupted save leaves a "
+            f"{TEMP_PREFIX}step_* directory without one). Pass a step_* directory, or latest_checkpoint(root)."
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{meta_path} is not valid JSON ({error}): the checkpoint is damaged.") from error
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path} has format_version {meta.get('format_version')!r}; this megacispo reads "
+            f"version {FORMAT_VERSION}."
+        )
+    return meta
+
+
+def _check_files(path: Path, meta: dict[str, Any], restore_rng: bool) -> None:
+    from megatron.core import dist_checkpointing
+
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        raise ValueError(
+            f"{path} has a {META_FILE} but no Megatron distributed checkpoint files (metadata.json): "
+            f"the checkpoint is incomplete; use another one, e.g. latest_checkpoint of its root."
+        )
+    rng_file = _rng_file(path, _rank())
+    if restore_rng and not rng_file.is_file():
+        raise ValueError(f"{path} is missing {rng_file.relative_to(path)}: the checkpoint is incomplete.")
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer=None,
+    scheduler=None,
+    load_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (and ``optimizer``, ``scheduler``); call on every rank.
+
+    Any parallel layout loads any checkpoint. The RNG states are restored only where the world size
+    and layout equal the saved ones (a different layout gives every rank a different role); otherwise
+    a warning says they were skipped. Returns meta.json's content: ``step``, ``extra_state``,
+    ``config``, ``parallel``, ``world_size``.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    same_layout = meta["world_size"] == _world_size() and meta["parallel"] == parallel_layout()
+    _check_files(path, meta, restore_rng=load_rng and same_layout)
+    if optimizer is not None and not meta["has_optimizer"]:
+        raise ValueError(f"{path} holds no optimizer state (saved without one): load it with optimizer=None.")
+    if scheduler is not None and meta["scheduler"] is None:
+        raise ValueError(f"{path} holds no scheduler state (saved without one): load it with scheduler=None.")
+
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(path))
+    _unwrap(model).load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if load_rng:
+        if same_layout:
+            # Checkpoints are untrusted files: tensors and plain containers only.
+            _restore_rng(torch.load(_rng_file(path, _rank()), weights_only=True))
+        else:
+            warnings.warn(
+                f"RNG states of {path} not restored: saved with world size {meta['world_size']} and layout "
+                f"{meta['parallel']}, this run has world size {_world_size()} and layout {parallel_layout()}. "
+                f"The run continues with its current RNG states.",
+                stacklevel=2,
+            )
+    return meta

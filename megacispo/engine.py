@@ -1,0 +1,149 @@
+"""The training engine: this rank's piece of the policy model, wrapped in Megatron DDP, with the
+optimizer (AdamW 0.9 / 0.95 / 1e-15, distributed across data-parallel ranks), the LR schedule, and
+the forward(-backward) passes over micro-batches through Megatron-Core's pipeline schedules.
+
+Both entry points (megacispo.train for RL, megacispo.sft for the warm start) use it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megacispo.config import Config
+from megacispo.models.config import transformer_config
+from megacispo.models.model import HybridModel
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports."""
+
+    applied: bool
+    """False when the update was skipped for a non-finite gradient."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate of this step."""
+
+
+class Engine:
+    """The policy on this rank, its optimizer and schedule, and micro-batched passes over it."""
+
+    def __init__(self, config: Config, total_steps: int, peak_lr: float):
+        self.config = config
+        self.groups = ProcessGroupCollection.use_mpu_process_groups()
+        self.megatron_config = transformer_config(config.model, config.parallel)
+        self.megatron_config.finalize_model_grads_func = finalize_model_grads
+        module = HybridModel(
+            config.model,
+            self.megatron_config,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
+        self.model = DistributedDataParallel(
+            self.megatron_config,
+            DistributedDataParallelConfig(use_distributed_optimizer=config.optimizer.use_distributed_optimizer),
+            module,
+        )
+        opt = config.optimizer
+        self.optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(
+                optimizer="adam", lr=peak_lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad, use_distributed_optimizer=opt.use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if opt.warmup_steps else peak_lr,
+            max_lr=peak_lr,
+            min_lr=opt.min_lr,
+            lr_warmup_steps=opt.warmup_steps,
+            lr_decay_steps=max(total_steps, opt.warmup_steps + 1),
+            lr_decay_style="cosine",
+            start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay,
+            wd_incr_steps=total_steps,
+            wd_incr_style="constant",
+        )
+
+    @property
+    def module(self) -> HybridModel:
+        """The model without its DDP wrapper (generation and checkpoints use it)."""
+        return self.model.module
+
+    @property
+    def tp_group(self):
+        return self.groups.tp
+
+    @property
+    def dp_group(self):
+        return self.groups.dp
+
+    @property
+    def data_parallel_size(self) -> int:
+        return torch.distributed.get_world_size(self.groups.dp)
+
+    def run_micro_batches(
+        self,
+        micro_batches: list,
+        forward_step: Callable,
+        *,
+        forward_only: bool,
+    ) -> list[dict]:
+        """One pass over ``micro_batches`` through Megatron's schedule (1F1B with PP).
+
+        ``forward_step(batch, model) -> (output, loss_func)``; returns the loss functions' dicts
+        (on the last pipeline stage; empty elsewhere).
+        """
+        if not forward_only:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        micro_batch_size, seq_length = micro_batches[0].tokens.shape
+        iterator = iter(micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=lambda data_iterator, model: forward_step(next(data_iterator), model),
+            data_iterator=iterator,
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def loss_scale_for_schedule(self, num_micro_batches: int) -> float:
+        """Megatron's schedule divides each micro-batch loss by the number of micro-batches and DDP
+        averages gradients over data-parallel ranks. Our losses are already normalized by the
+        global token count of the step (megacispo.losses.compute_global_counts), so they are scaled
+        up by exactly what Megatron divides by: the step then optimizes the global objective."""
+        return float(num_micro_batches * self.data_parallel_size)
+
+    def step(self) -> StepResult:
+        """Apply the accumulated gradients, unless their norm is not finite."""
+        grad_norm = self.optimizer.get_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad()
+            return StepResult(applied=False, grad_norm=grad_norm, lr=lr)
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return StepResult(applied=True, grad_norm=grad_norm, lr=lr)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+
+def split_micro_batches(items, micro_batch_size: int) -> Iterable:
+    return [items[i:i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]

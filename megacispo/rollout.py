@@ -1,0 +1,144 @@
+"""Rollouts: G samples per prompt from the policy being trained (no second copy of the weights).
+
+Generation uses the model's own cache (the d x d state of the lightning layers, KV for the softmax
+layers): a left-padded prefill, then one decode step per token. Under tensor parallelism the model
+gathers the vocabulary shards of the last position's logits, so every rank of the TP group sees the
+full distribution and draws the same token from an identically seeded generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from megacispo.config import RolloutConfig
+
+
+@dataclass
+class Samples:
+    """A batch of generated sequences, right-padded: prompt, response, then padding.
+
+    Position t of the [n, S - 1] tensors describes the prediction of token t + 1.
+    """
+
+    tokens: torch.Tensor
+    """[n, S] int64 token ids."""
+    prompt_lengths: torch.Tensor
+    """[n] tokens of each prompt (BOS included)."""
+    response_lengths: torch.Tensor
+    """[n] generated tokens of each sample (its EOS included)."""
+    rollout_logprobs: torch.Tensor
+    """[n, S - 1] log-prob of each response token under the sampling policy; 0 elsewhere."""
+    loss_mask: torch.Tensor
+    """[n, S - 1] 1.0 where token t + 1 is a response token."""
+    truncated_early: torch.Tensor
+    """[n] bool: stopped by early truncation (N consecutive tokens above probability p)."""
+
+    def select(self, indices: torch.Tensor) -> Samples:
+        return Samples(*(getattr(self, name)[indices] for name in self.__dataclass_fields__))
+
+
+def sample_tokens(
+    logits: torch.Tensor, config: RolloutConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits`` [b, V].
+
+    Returns (tokens [b], logprobs [b], probs [b]): the log-prob of the drawn token under the
+    tempered distribution (the one the trainer's ratio compares against) and its probability under
+    the truncated sampling distribution (what early truncation watches).
+    """
+    logits = logits.float()
+    if config.temperature == 0:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, chosen, chosen.exp()
+    logprobs = torch.log_softmax(logits / config.temperature, dim=-1)
+    sampling_logits = logprobs.clone()
+    if config.top_k > 0:
+        kth = sampling_logits.topk(min(config.top_k, sampling_logits.shape[-1]), dim=-1).values[:, -1:]
+        sampling_logits = sampling_logits.masked_fill(sampling_logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_logits, order = sampling_logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass.
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
+        sampling_logits = sampling_logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    sampling_probs = sampling_logits.softmax(dim=-1)
+    tokens = torch.multinomial(sampling_probs, 1, generator=generator).squeeze(-1)
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen, sampling_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]],
+    config: RolloutConfig,
+    *,
+    eos_id: int,
+    pad_id: int,
+    generator: torch.Generator,
+    show_progress: bool = False,
+) -> Samples:
+    """Sample one response per prompt (repeat a prompt G times for a group)."""
+    num_samples = len(prompts)
+    prompt_lengths = torch.tensor([len(p) for p in prompts])
+    width = int(prompt_lengths.max())
+    # Left-padded prompts [n, P]: every sequence's last prompt token sits in the last column.
+    input_ids = torch.full((num_samples, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((num_samples, width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = True
+
+    next_logits, cache = model.prefill(input_ids, attention_mask)  # [n, V]
+    responses = torch.full((num_samples, config.max_new_tokens), pad_id, dtype=torch.long)
+    response_logprobs = torch.zeros((num_samples, config.max_new_tokens))
+    finished = torch.zeros(num_samples, dtype=torch.bool)
+    truncated = torch.zeros(num_samples, dtype=torch.bool)
+    confident_run = torch.zeros(num_samples, dtype=torch.long)
+    response_lengths = torch.zeros(num_samples, dtype=torch.long)
+    steps = tqdm(range(config.max_new_tokens), desc="rollout", leave=False, disable=not show_progress)
+    for t in steps:
+        tokens, logprobs, probs = sample_tokens(next_logits, config, generator)
+        active = ~finished
+        responses[active, t] = tokens[active]
+        response_logprobs[active, t] = logprobs[active]
+        response_lengths += active.long()
+        finished |= active & (tokens == eos_id)
+        if config.early_truncation_tokens > 0:
+            confident = probs > config.early_truncation_prob
+            confident_run = torch.where(confident, confident_run + 1, torch.zeros_like(confident_run))
+            stop = active & ~finished & (confident_run >= config.early_truncation_tokens)
+            truncated |= stop
+            finished |= stop
+        if bool(finished.all()) or t + 1 == config.max_new_tokens:
+            break
+        # Finished rows keep decoding a pad (cheaper than reshaping the cache); their output is ignored.
+        step_tokens = torch.where(finished, torch.full_like(tokens, pad_id), tokens)
+        next_logits, cache = model.decode_step(step_tokens, cache)
+    return _assemble(prompts, prompt_lengths, responses, response_logprobs, response_lengths, truncated, pad_id)
+
+
+def _assemble(prompts, prompt_lengths, responses, response_logprobs, response_lengths, truncated, pad_id) -> Samples:
+    total = prompt_lengths + response_lengths
+    width = int(total.max())
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    rollout_logprobs = torch.zeros((len(prompts), width - 1))
+    loss_mask = torch.zeros((len(prompts), width - 1))
+    for row, prompt in enumerate(prompts):
+        p, r = len(prompt), int(response_lengths[row])
+        tokens[row, :p] = torch.tensor(prompt)
+        tokens[row, p:p + r] = responses[row, :r]
+        # Response token p + i is predicted at position p + i - 1.
+        rollout_logprobs[row, p - 1:p - 1 + r] = response_logprobs[row, :r]
+        loss_mask[row, p - 1:p - 1 + r] = 1.0
+    return Samples(tokens, prompt_lengths, response_lengths, rollout_logprobs, loss_mask, truncated)
+
+
+def response_token_ids(samples: Samples, row: int) -> list[int]:
+    start = int(samples.prompt_lengths[row])
+    return samples.tokens[row, start:start + int(samples.response_lengths[row])].tolist()

@@ -1,0 +1,92 @@
+"""Supervised warm start ("cold start" before RL) on prompt/answer pairs:
+``torchrun --nproc-per-node N -m megacispo.sft --config X.yaml [--set k=v ...]``.
+
+Same model, same parallel stack and engine as RL; the loss is the token-level cross-entropy of the
+answer (and EOS) tokens, normalized by the global number of answer tokens of the step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from megacispo.cli import bad_input_exits, build_parser, load_tokenizer, plan, start_up
+from megacispo.data import load_sft_pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser(__doc__).parse_args(argv)
+    with bad_input_exits():
+        config, world_size = start_up(args)
+        if args.dry_run:
+            print(plan(config, world_size))
+            return 0
+        pairs = load_sft_pairs(config.data.sft_pairs)
+        tokenizer = load_tokenizer(config)
+
+    from megatron.core import parallel_state
+
+    from megacispo.checkpoint import load_checkpoint, save_checkpoint
+    from megacispo.config import to_dict
+    from megacispo.data import PromptSampler, build_sft_example, collate_sft
+    from megacispo.engine import Engine
+    from megacispo.losses import compute_global_counts
+    from megacispo.metrics import MetricsLogger, is_logging_rank
+    from megacispo.parallel.layout import destroy_distributed, init_distributed
+    from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
+
+    sft = config.sft
+    init_distributed(config.parallel, config.train.seed)
+    engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr)
+    if config.train.load:
+        load_checkpoint(config.train.load, engine.module, load_rng=False)
+    out_dir = Path(sft.out or Path(config.train.run_dir) / "sft")
+    logger = MetricsLogger(str(out_dir), enabled=is_logging_rank())
+    sampler = PromptSampler(pairs, seed=config.train.seed)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    per_rank = sft.batch_size // dp_size
+
+    for step in range(1, sft.steps + 1):
+        records = sampler.next_batch(per_rank * dp_size)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        batch = collate_sft([build_sft_example(tokenizer, r) for r in records], tokenizer.pad_id)
+        size = config.train.micro_batch_size
+        micro_batches = [_Micro(batch.input_ids[i:i + size], batch.labels[i:i + size], batch.loss_mask[i:i + size])
+                         for i in range(0, per_rank, size)]
+        counts = compute_global_counts([m.loss_mask for m in micro_batches],
+                                       [torch.zeros_like(m.loss_mask) for m in micro_batches], group=engine.dp_group)
+        scale = engine.loss_scale_for_schedule(len(micro_batches))
+
+        def forward_step(micro: _Micro, model):
+            logits = model(micro.tokens)
+
+            def loss_func(output):
+                logprobs = vocab_parallel_logprobs(output.float(), micro.labels, engine.tp_group)
+                loss = -(logprobs * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
+                return loss * scale, {"sft/loss": loss.detach().clone()}
+
+            return logits, loss_func
+
+        outputs = engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
+        loss = sum(float(o["sft/loss"]) for o in outputs)
+        result = engine.step()
+        metrics = torch.tensor([loss], dtype=torch.float64)
+        torch.distributed.all_reduce(metrics, group=engine.dp_group)
+        logger.log(step, {"sft/loss": float(metrics[0]), "perf/grad_norm": result.grad_norm, "perf/lr": result.lr})
+    save_checkpoint(out_dir / "checkpoints", sft.steps, engine.module, config_dict=to_dict(config), keep_last=1)
+    logger.print(f"SFT checkpoint: {out_dir / 'checkpoints'}")
+    logger.close()
+    destroy_distributed()
+    return 0
+
+
+class _Micro:
+    """One micro-batch of next-token prediction: tokens / labels / loss_mask [b, T]."""
+
+    def __init__(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
+        self.tokens, self.labels, self.loss_mask = tokens, labels, loss_mask
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""The RL loop. One step, as SYSTEM.md draws it:
+
+    prompts -> rollouts (G samples each) -> rewards -> overlong shaping -> group-relative advantages
+    -> dynamic sampling -> old log-probs (recomputed by the training engine) -> K mini-batch updates
+    with the policy loss from the registry -> metrics -> periodic checkpoint
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megacispo.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
+from megacispo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megacispo.config import Config, to_dict
+from megacispo.data import PromptRecord, PromptSampler, encode_prompt
+from megacispo.engine import Engine
+from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
+from megacispo.metrics import MetricsLogger, pearson_correlation
+from megacispo.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from megacispo.rewards import get_reward_fn, score_responses
+from megacispo.rollout import Samples, generate, response_token_ids
+from megacispo.tokenizer import Tokenizer
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded sequences with everything the loss needs; [n, S - 1] tensors are per predicted token."""
+
+    tokens: torch.Tensor
+    """[n, S] prompt + response + padding."""
+    loss_mask: torch.Tensor
+    """[n, S - 1] 1.0 on response tokens."""
+    advantages: torch.Tensor
+    """[n] one advantage per sample."""
+    rollout_logprobs: torch.Tensor
+    """[n, S - 1] log-probs reported by the sampler."""
+    old_logprobs: torch.Tensor | None = None
+    """[n, S - 1] log-probs of pi_old as the training engine computes them."""
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        return TrainBatch(*(None if value is None else value[start:stop] for value in vars(self).values()))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, tp_group) -> torch.Tensor:
+    """[b, S, V/TP] vocab-sharded logits -> [b, S - 1] log-probs of the next tokens, in fp32, under the
+    same tempered distribution the sampler drew from."""
+    logits = logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return vocab_parallel_logprobs(logits, tokens[:, 1:], tp_group)
+
+
+class Trainer:
+    """Runs the RL steps of ``config`` on this rank."""
+
+    def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
+                 train_records: list[PromptRecord], test_records: list[PromptRecord], logger: MetricsLogger):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.test_records = test_records
+        self.logger = logger
+        self.reward_fn = get_reward_fn(config.rl.reward)
+        self.sampler = PromptSampler(train_records, seed=config.train.seed)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.step = 0
+        self.num_skipped_updates = 0
+        self.consumed_samples = 0
+        self._stop_requested = False
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        """Train to config.train.steps; returns the held-out accuracy before and after."""
+        signal.signal(signal.SIGTERM, self._request_stop)
+        if self.config.train.load:
+            self._restore(self.config.train.load, resume=False)
+        accuracy = {"before": self.evaluate()}
+        self.logger.log(self.step, {"eval/accuracy": accuracy["before"]})
+        while self.step < self.config.train.steps and not self._stop_requested:
+            metrics = self.rl_step()
+            self.step += 1
+            self.logger.log(self.step, metrics, consumed_samples=self.consumed_samples)
+            every = self.config.train.eval_every
+            if every and self.step % every == 0 and self.step < self.config.train.steps:
+                self.logger.log(self.step, {"eval/accuracy": self.evaluate()})
+            if self.config.train.checkpoint_every and self.step % self.config.train.checkpoint_every == 0:
+                self.save()
+        self.save()
+        accuracy["after"] = self.evaluate()
+        self.logger.log(self.step, {"eval/accuracy": accuracy["after"]})
+        return accuracy
+
+    def rl_step(self) -> dict[str, float]:
+        timings = {}
+        start = time.perf_counter()
+        batch, rollout_metrics = self.collect_rollouts()
+        timings["perf/time_rollout_s"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        batch.old_logprobs = self.compute_old_logprobs(batch)
+        timings["perf/time_old_logprobs_s"] = time.perf_counter() - start
+        mask = batch.loss_mask.bool()
+        rollout_metrics["rollout/train_rollout_prob_corr"] = pearson_correlation(
+            batch.rollout_logprobs[mask].exp(), batch.old_logprobs[mask].exp())
+
+        start = time.perf_counter()
+        update_metrics = self.update(batch)
+        timings["perf/time_update_s"] = time.perf_counter() - start
+        num_tokens = self._all_reduce_sum(float(batch.loss_mask.sum()))
+        timings["perf/tokens_per_s"] = num_tokens / sum(timings.values())
+        self.consumed_samples += len(batch) * self.dp_size
+        return {**rollout_metrics, **update_metrics, **timings}
+
+    # -- rollouts -------------------------------------------------------------------------------
+
+    def collect_rollouts(self) -> tuple[TrainBatch, dict[str, float]]:
+        """Sample until this rank holds rollout.prompts_per_step / DP groups with informative rewards.
+
+        Every DP rank draws the same global prompt batch and takes its slice, so the sampler state
+        stays identical across ranks (and in checkpoints). If dynamic sampling has not filled the
+        batch after rollout.max_sampling_rounds, dropped groups top it up: their advantages are 0,
+        so they add no gradient, and every rank keeps the same batch size.
+        """
+        rollout = self.config.rollout
+        group_size = rollout.group_size
+        quota = rollout.prompts_per_step // self.dp_size
+        kept: list[tuple[Samples, torch.Tensor, torch.Tensor]] = []
+        spare: list[tuple[Samples, torch.Tensor, torch.Tensor]] = []
+        stats = {"rewards": [], "lengths": [], "truncated": 0.0, "failures": 0.0, "groups": 0.0, "dropped": 0.0}
+        for _ in range(rollout.max_sampling_rounds):
+            records = self.sampler.next_batch(quota * self.dp_size)[self.dp_rank * quota:(self.dp_rank + 1) * quota]
+            samples, rewards = self._sample_and_score(records, stats)
+            advantages = group_relative_advantages(rewards, group_size, eps=self.config.rl.advantage_eps)
+            keep = dynamic_sampling_keep_mask(rewards, group_size) if rollout.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+            for group in range(len(records)):
+                rows = torch.arange(group * group_size, (group + 1) * group_size)
+                entry = (samples.select(rows), advantages[rows], rewards[rows])
+                (kept if keep[rows[0]] else spare).append(entry)
+            stats["groups"] += len(records)
+            stats["dropped"] += float((~keep).sum()) / group_size
+            if self._all_reduce_min(len(kept)) >= quota:
+                break
+        chosen = (kept + spare)[:quota]
+        metrics = self._rollout_metrics(stats, chosen)
+        return self._to_train_batch(chosen), metrics
+
+    def _sample_and_score(self, records: list[PromptRecord], stats: dict) -> tuple[Samples, torch.Tensor]:
+        rollout = self.config.rollout
+        prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records for _ in range(rollout.group_size)]
+        samples = generate(
+            self.engine.module, prompts, rollout, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+            generator=self._generator(), show_progress=self.logger.enabled,
+        )
+        texts = [self._response_text(samples, row) for row in range(len(prompts))]
+        repeated = [r for r in records for _ in range(rollout.group_size)]
+        rewards, failures = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
+        rewards = torch.tensor(rewards, dtype=torch.float32)
+        stats["rewards"].append(rewards.clone())
+        if self.config.rl.overlong_max_length:
+            rewards = rewards + overlong_penalty(samples.response_lengths, self.config.rl.overlong_max_length,
+                                                 self.config.rl.overlong_cache_length, self.config.rl.overlong_penalty)
+        stats["lengths"].append(samples.response_lengths.float())
+        stats["truncated"] += float(samples.truncated_early.sum())
+        stats["failures"] += failures
+        return samples, rewards
+
+    def _response_text(self, samples: Samples, row: int) -> str:
+        ids = response_token_ids(samples, row)
+        if ids and ids[-1] == self.tokenizer.eos_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+    def _generator(self) -> torch.Generator:
+        # Same on the ranks of a TP group (they must draw the same tokens), different across DP ranks
+        # and steps; a resumed run draws what the uninterrupted run would have.
+        seed = self.config.train.seed * 1_000_003 + self.step * 1009 + self.dp_rank
+        return torch.Generator().manual_seed(seed)
+
+    def _to_train_batch(self, chosen) -> TrainBatch:
+        width = max(s.tokens.shape[1] for s, _, _ in chosen)
+
+        def pad(tensor: torch.Tensor, size: int, value) -> torch.Tensor:
+            return torch.nn.functional.pad(tensor, (0, size - tensor.shape[1]), value=value)
+
+        return TrainBatch(
+            tokens=torch.cat([pad(s.tokens, width, self.tokenizer.pad_id) for s, _, _ in chosen]),
+            loss_mask=torch.cat([pad(s.loss_mask, width - 1, 0.0) for s, _, _ in chosen]),
+            advantages=torch.cat([a for _, a, _ in chosen]),
+            rollout_logprobs=torch.cat([pad(s.rollout_logprobs, width - 1, 0.0) for s, _, _ in chosen]),
+        )
+
+    def _rollout_metrics(self, stats: dict, chosen) -> dict[str, float]:
+        rewards = torch.cat(stats["rewards"])
+        lengths = torch.cat(stats["lengths"])
+        advantages = torch.cat([a for _, a, _ in chosen])
+        local = torch.tensor([
+            float(rewards.sum()), float((rewards ** 2).sum()), float(rewards.numel()),
+            float((rewards >= 1.0).sum()), float(lengths.sum()), stats["truncated"], stats["failures"],
+            stats["groups"], stats["dropped"], float(advantages.sum()), float(advantages.abs().sum()),
+            float(advantages.numel()),
+        ], dtype=torch.float64)
+        dist.all_reduce(local, group=self.engine.dp_group)
+        (reward_sum, reward_sq, n, correct, length_sum, truncated, failures, groups, dropped,
+         adv_sum, adv_abs, n_adv) = local.tolist()
+        max_length = self._all_reduce_max(float(lengths.max()))
+        mean = reward_sum / n
+        return {
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": max(reward_sq / n - mean ** 2, 0.0) ** 0.5,
+            "rollout/accuracy": correct / n,
+            "rollout/response_length_mean": length_sum / n,
+            "rollout/response_length_max": max_length,
+            "rollout/early_truncated_frac": truncated / n,
+            "rollout/reward_failures": failures,
+            "rollout/dynamic_sampling_dropped_frac": dropped / max(groups, 1.0),
+            "advantage/mean": adv_sum / n_adv,
+            "advantage/abs_mean": adv_abs / n_adv,
+        }
+
+    # -- training-engine passes ---------------------------------------------------------------------
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        size = self.config.train.micro_batch_size
+        return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+
+    @torch.no_grad()
+    def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        if self.config.rl.old_logprobs == "rollout":
+            return batch.rollout_logprobs.clone()
+        temperature, tp_group = self.config.rollout.temperature, self.engine.tp_group
+
+        def forward_step(micro: TrainBatch, model):
+            logits = model(micro.tokens)
+            return logits, lambda output: (output.sum() * 0, {"logprobs": token_logprobs(output, micro.tokens, temperature, tp_group)})
+
+        self.engine.train(False)
+        outputs = self.engine.run_micro_batches(self._micro_batches(batch), forward_step, forward_only=True)
+        self.engine.train(True)
+        return torch.cat([out["logprobs"] for out in outputs])
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """K optimizer steps, each on 1/K of the rollout batch (M1's off-policy updates)."""
+        updates = self.config.rl.updates_per_rollout
+        size = len(batch) // updates
+        per_update = []
+        for k in range(updates):
+            per_update.append(self._update_once(batch.slice(k * size, (k + 1) * size)))
+        averaged = {key: sum(m[key] for m in per_update) / updates for key in per_update[0] if not key.endswith("_max")}
+        averaged.update({key: max(m[key] for m in per_update) for key in per_update[0] if key.endswith("_max")})
+        return averaged
+
+    def _update_once(self, mini_batch: TrainBatch) -> dict[str, float]:
+        loss_config = self.config.rl.loss
+        temperature, tp_group = self.config.rollout.temperature, self.engine.tp_group
+        micro_batches = self._micro_batches(mini_batch)
+        counts = compute_global_counts([m.loss_mask for m in micro_batches], [m.old_logprobs for m in micro_batches],
+                                       group=self.engine.dp_group)
+        scale = self.engine.loss_scale_for_schedule(len(micro_batches))
+
+        def forward_step(micro: TrainBatch, model):
+            logits = model(micro.tokens)
+
+            def loss_func(output):
+                logprobs = token_logprobs(output, micro.tokens, temperature, tp_group)
+                loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
+                                                    micro.loss_mask, counts, **loss_config.params)
+                with torch.no_grad():
+                    entropy = vocab_parallel_entropy(output[:, :-1].float(), tp_group)
+                    metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
+                return loss * scale, metrics
+
+            return logits, loss_func
+
+        outputs = self.engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
+        metrics = {key: float(value) for key, value in reduce_metrics(outputs, group=self.engine.dp_group).items()}
+        result = self.engine.step()
+        if not result.applied:
+            self.num_skipped_updates += 1
+            if self.num_skipped_updates > self.config.train.max_nonfinite_skips:
+                raise RuntimeError(
+                    f"{self.num_skipped_updates} updates skipped for non-finite gradients (train.max_nonfinite_skips = "
+                    f"{self.config.train.max_nonfinite_skips}): lower optimizer.lr or check the data"
+                )
+        metrics.update({"perf/grad_norm": result.grad_norm, "perf/lr": result.lr,
+                        "perf/skipped_updates": float(self.num_skipped_updates)})
+        return metrics
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """Greedy held-out accuracy (reward >= 1), split over data-parallel ranks."""
+        if not self.test_records:
+            return float("nan")
+        records = self.test_records[self.dp_rank::self.dp_size]
+        greedy = type(self.config.rollout)(**{**vars(self.config.rollout), "temperature": 0.0})
+        prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records]
+        self.engine.train(False)
+        samples = generate(self.engine.module, prompts, greedy, eos_id=self.tokenizer.eos_id,
+                           pad_id=self.tokenizer.pad_id, generator=torch.Generator())
+        self.engine.train(True)
+        texts = [self._response_text(samples, row) for row in range(len(records))]
+        rewards, _ = score_responses(self.reward_fn, texts, records, self.config.rl.failure_reward)
+        correct = self._all_reduce_sum(float(sum(r >= 1.0 for r in rewards)))
+        return correct / len(self.test_records)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self) -> None:
+        save_checkpoint(
+            self._checkpoint_root(), self.step, self.engine.module, self.engine.optimizer, self.engine.scheduler,
+            extra_state={"sampler": self.sampler.state_dict(), "consumed_samples": self.consumed_samples,
+                         "num_skipped_updates": self.num_skipped_updates},
+            config_dict=to_dict(self.config), keep_last=self.config.train.keep_last,
+        )
+
+    def resume(self) -> bool:
+        """Continue from the newest complete checkpoint of the run directory, if there is one."""
+        path = latest_checkpoint(self._checkpoint_root())
+        if path is None:
+            return False
+        self._restore(path, resume=True)
+        return True
+
+    def _restore(self, path, resume: bool) -> None:
+        if resume:
+            meta = load_checkpoint(path, self.engine.module, self.engine.optimizer, self.engine.scheduler)
+            extra = meta["extra_state"]
+            self.step = meta["step"]
+            self.sampler.load_state_dict(extra["sampler"])
+            self.consumed_samples = extra["consumed_samples"]
+            self.num_skipped_updates = extra["num_skipped_updates"]
+        else:
+            # train.load names a checkpoint, or a checkpoints folder whose newest one is meant.
+            load_checkpoint(latest_checkpoint(path) or path, self.engine.module, load_rng=False)
+
+    def _checkpoint_root(self) -> Path:
+        return Path(self.config.train.run_dir) / "checkpoints"
+
+    def _request_stop(self, signum, frame) -> None:
+        # SIGTERM (a cluster's preemption): finish the current step, save, and exit cleanly.
+        self._stop_requested = True
+
+    # -- collectives ----------------------------------------------------------------------------
+
+    def _all_reduce_sum(self, value: float) -> float:
+        tensor = torch.tensor(value, dtype=torch.float64)
+        dist.all_reduce(tensor, group=self.engine.dp_group)
+        return float(tensor)
+
+    def _all_reduce_max(self, value: float) -> float:
+        tensor = torch.tensor(value, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.engine.dp_group)
+        return float(tensor)
+
+    def _all_reduce_min(self, value: float) -> float:
+        tensor = torch.tensor(value, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.engine.dp_group)
+        return float(tensor)

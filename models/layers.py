@@ -1,0 +1,195 @@
+"""Building blocks shared by the mixers and the decoder layer: RMSNorms that know about tensor and
+sequence parallelism, the projections' entry into the tensor-parallel region, rotary embeddings,
+and the decoding cache.
+
+Layout: Megatron's [s, b, ...] (sequence first) between modules; under sequence parallelism the
+hidden states between layers hold s / TP tokens of every sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension, computed in fp32 like HF's MiniMaxRMSNorm:
+    weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype).
+
+    Megatron's WrappedTorchNorm refuses sequence parallelism; here the weight is marked
+    ``sequence_parallel`` so that finalize_model_grads all-reduces its gradient over the TP group
+    (each rank saw only its s / TP tokens), as Megatron does for its own norms.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        fp32 = hidden.float()
+        normed = fp32 * torch.rsqrt(fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(hidden.dtype)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a group, forward and backward: every rank's output depends on every rank's input."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        tensor = tensor.clone()
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class TensorParallelRMSNorm(torch.nn.Module):
+    """RMSNorm over channels that are split across the TP group (the lightning attention's nh * d
+    output channels, split by heads): the mean of squares is summed over the group, so TP = 2
+    computes exactly what TP = 1 does. The weight is TP-sharded like the channels."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, tp_group) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tp_group = tp_group
+        self.tp_size = tp_group.size()
+        self.hidden_size = hidden_size
+        local_size = tensor_parallel.utils.divide(hidden_size, self.tp_size)
+        self.weight = torch.nn.Parameter(torch.ones(local_size, dtype=config.params_dtype))
+        tensor_parallel.set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        fp32 = hidden.float()
+        sum_squares = fp32.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            sum_squares = _AllReduceSum.apply(sum_squares, self.tp_group)
+        normed = fp32 * torch.rsqrt(sum_squares / self.hidden_size + self.eps)
+        return self.weight * normed.to(hidden.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+
+def local_column_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
+    """A ColumnParallelLinear whose input is already in the tensor-parallel region.
+
+    Each mixer feeds several column-parallel projections from one input; ``enter_tensor_parallel_region``
+    does the one all-gather (sequence parallel) or copy (its backward all-reduce) for all of them,
+    instead of one per projection as a plain ColumnParallelLinear would.
+    """
+    linear = tensor_parallel.ColumnParallelLinear(
+        input_size, output_size, config=config, init_method=config.init_method, bias=False,
+        gather_output=False, disable_grad_reduce=True, tp_group=tp_group,
+    )
+    # With disable_grad_reduce the layer skips the copy and the gradient all-reduce; this also
+    # skips its own sequence-parallel all-gather (layers.py:1006 passes sequence_parallel on).
+    linear.sequence_parallel = False
+    return linear
+
+
+def row_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
+    """RowParallelLinear from head-split channels back to the hidden size: all-reduce, or
+    reduce-scatter along the sequence under sequence parallelism."""
+    return tensor_parallel.RowParallelLinear(
+        input_size, output_size, config=config, init_method=config.output_layer_init_method, bias=False,
+        input_is_parallel=True, skip_bias_add=True, tp_group=tp_group,
+    )
+
+
+def enter_tensor_parallel_region(hidden: torch.Tensor, sequence_parallel: bool, tp_group) -> torch.Tensor:
+    """[s(/TP), b, H] -> [s, b, H], the full sequence on every TP rank, as input to local
+    column-parallel projections. Its backward sums the ranks' partial input gradients
+    (reduce-scatter under sequence parallelism, all-reduce otherwise)."""
+    if sequence_parallel:
+        return tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
+    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos / sin of RoPE for the first ``rotary_dim`` channels of a head, at given positions.
+
+    Frequencies and angles in fp32 exactly as HF transformers and vLLM compute them
+    (inv_freq = 1 / base^(2i / rotary_dim), angle = position * inv_freq), so that training,
+    HF and the inference engine see the same rotation.
+    """
+
+    def __init__(self, rotary_dim: int, base: float) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.base = base
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, s] -> (cos, sin), each [b, s, rotary_dim] fp32."""
+        steps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=position_ids.device)
+        inv_freq = 1.0 / (self.base ** (steps / self.rotary_dim))
+        angles = position_ids[..., None].float() * inv_freq  # [b, s, rotary_dim / 2]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [b, heads, s, d] (rotate-half convention, as HF);
+    cos, sin [b, s, rotary_dim]. Computed in fp32, returned in x's dtype."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    rotated, passed = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    rotated = rotated * cos + _rotate_half(rotated) * sin
+    return torch.cat((rotated.to(x.dtype), passed), dim=-1)
+
+
+@dataclass
+class InferenceCache:
+    """Decoding state of a batch of left-padded sequences, filled by ``HybridModel.prefill`` and
+    advanced by ``HybridModel.decode_step`` (in place). Tensors hold this rank's heads only.
+
+    Left padding keeps every lightning state exact: pad tokens get zero keys and values, and the
+    state stays zero until the first real token, so no decay is applied for the pads.
+    """
+
+    valid_mask: torch.Tensor
+    """[b, T] bool: True for the real tokens of all T positions so far (prompt and generated)."""
+    next_positions: torch.Tensor
+    """[b] RoPE position of each sequence's next token (its number of real tokens so far)."""
+    lightning_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Global layer index -> [b, heads, d, d] fp32 state of a lightning layer."""
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Global layer index -> [b, kv heads, T, d] rotated keys of a softmax layer."""
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Global layer index -> [b, kv heads, T, d] values of a softmax layer."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid_mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.valid_mask.shape[1]
+
+    def select(self, indices: torch.Tensor) -> InferenceCache:
+        """The cache of a subset (or a reordering) of the sequences, e.g. to drop finished ones."""
+        return InferenceCache(
+            valid_mask=self.valid_mask[indices],
+            next_positions=self.next_positions[indices],
+            lightning_states={layer: state[indices] for layer, state in self.lightning_states.items()},
+            keys={layer: k[indices] for layer, k in self.keys.items()},
+            values={layer: v[indices] for layer, v in self.values.items()},
+        )

@@ -1,0 +1,129 @@
+"""The lightning-attention mixer (MiniMax-01) as a Megatron-Core module.
+
+    q, k, v = split(silu(qkv_proj(h)))       # per head the projection output is [q_h | k_h | v_h]
+    o       = lightning_attention(q, k, v)   # S_t = exp(-s_h) S_(t-1) + k_t^T v_t,  o_t = q_t S_t
+    o       = sigmoid(output_gate(h)) * RMSNorm(o)   # RMSNorm over all nh * d channels
+    a       = out_proj(o)
+
+Tensor parallelism splits the heads: qkv_proj and output_gate are column-parallel (head-major
+rows, so a contiguous row block is a block of whole heads), out_proj is row-parallel, and the
+RMSNorm's mean of squares is summed over the TP group. The attention itself runs in fp32 whatever
+the model's dtype (the state accumulates over the whole sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megacispo.models.layers import (
+    InferenceCache,
+    TensorParallelRMSNorm,
+    enter_tensor_parallel_region,
+    local_column_parallel_linear,
+    row_parallel_linear,
+)
+from megacispo.models.lightning import lightning_attention, lightning_decay_rates, lightning_decode_step
+
+
+@dataclass
+class LightningMixerSubmodules:
+    """Builders of the lightning mixer's parts; a projection builder is called as
+    (config, input_size, output_size, tp_group)."""
+
+    qkv_proj: Callable = local_column_parallel_linear
+    output_gate: Callable = local_column_parallel_linear
+    norm: ModuleSpec | type = TensorParallelRMSNorm
+    out_proj: Callable = row_parallel_linear
+
+
+class LightningMixer(MegatronModule):
+    """Lightning attention of one decoder layer: [s(/TP), b, H] -> [s(/TP), b, H]."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: LightningMixerSubmodules,
+        layer_number: int,
+        block_size: int,
+        norm_eps: float,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.tp_group = pg_collection.tp
+        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        self.layer_idx = layer_number - 1  # global, 0-based: it sets the decay rates
+        self.block_size = block_size
+        self.head_dim = config.kv_channels
+        self.num_local_heads = config.num_attention_heads // tp_size
+        width = config.num_attention_heads * self.head_dim
+
+        self.qkv_proj = submodules.qkv_proj(config, config.hidden_size, 3 * width, self.tp_group)
+        self.output_gate = submodules.output_gate(config, config.hidden_size, width, self.tp_group)
+        self.norm = build_module(submodules.norm, config=config, hidden_size=width, eps=norm_eps, tp_group=self.tp_group)
+        self.out_proj = submodules.out_proj(config, width, config.hidden_size, self.tp_group)
+
+        # Derived from the layer index, not learned: kept out of the state dict and out of dtype casts.
+        all_rates = lightning_decay_rates(config.num_attention_heads, self.layer_idx, config.num_layers)
+        self._decay = all_rates[tp_rank * self.num_local_heads : (tp_rank + 1) * self.num_local_heads].clone()
+
+    def decay_rates(self, device: torch.device) -> torch.Tensor:
+        """s_h [local heads] fp32 of this rank's heads."""
+        return self._decay.to(device)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+        inference_context: InferenceCache | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """hidden_states [s(/TP), b, H]; attention_mask [b, s] bool, True for real tokens (pads get zero
+        q, k, v, so they add nothing to the state); packed_seq_params: documents packed in batch 1
+        (the state resets at each cu_seqlens_q boundary); inference_context: the decoding cache."""
+        full = enter_tensor_parallel_region(hidden_states, self.config.sequence_parallel, self.tp_group)
+        seq_len, batch = full.shape[:2]
+        qkv, _ = self.qkv_proj(full)  # [s, b, heads * 3d]
+        qkv = F.silu(qkv).transpose(0, 1).reshape(batch, seq_len, self.num_local_heads, 3 * self.head_dim)
+        if attention_mask is not None:
+            qkv = qkv * attention_mask[:, :, None, None].to(qkv.dtype)
+        q, k, v = qkv.float().split(self.head_dim, dim=-1)  # each [b, s, heads, d]
+        out = self._attend(q, k, v, packed_seq_params, inference_context)  # [b, s, heads, d] fp32
+        out = out.to(full.dtype).reshape(batch, seq_len, -1).transpose(0, 1)  # [s, b, heads * d]
+        gate, _ = self.output_gate(full)
+        out, _ = self.out_proj(torch.sigmoid(gate) * self.norm(out))
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        packed_seq_params: PackedSeqParams | None,
+        cache: InferenceCache | None,
+    ) -> torch.Tensor:
+        decay = self.decay_rates(q.device)
+        state = None if cache is None else cache.lightning_states.get(self.layer_idx)
+        if state is not None and q.shape[1] == 1:
+            out, state = lightning_decode_step(q[:, 0], k[:, 0], v[:, 0], decay, state)
+            out = out[:, None]
+        else:
+            cu_seqlens = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
+            out, state = lightning_attention(
+                q, k, v, decay, initial_state=state, cu_seqlens=cu_seqlens, block_size=self.block_size
+            )
+        if cache is not None:
+            cache.lightning_states[self.layer_idx] = state
+        return out
+

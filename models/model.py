@@ -1,0 +1,236 @@
+"""HybridModel: the MiniMax-M1 style hybrid lightning-attention MoE decoder on Megatron-Core.
+
+    embedding (VocabParallelEmbedding, no position embedding)
+    -> decoder: Megatron's TransformerBlock of HybridDecoderLayers (this pipeline stage's layers,
+       global layer numbers in the checkpoint keys) and the final RMSNorm
+    -> untied LM head (ColumnParallelLinear, vocab-sharded), in fp32 with fp32_lm_head
+
+It follows GPTModel's conventions, so Megatron's schedules, DDP, optimizer and dist checkpointing
+use it unchanged: forward(input_ids, position_ids, attention_mask, labels=...) returns
+vocab-sharded logits [b, s, V/TP], or with labels the per-token cross-entropy [b, s]; on a
+pipeline stage without the head it returns the hidden states for the next stage.
+
+Decoding (``prefill`` / ``decode_step``) batches left-padded prompts: pad tokens are masked as
+keys in softmax layers and get zero keys and values in lightning layers, whose state therefore
+stays exactly zero until a sequence's first real token. RoPE positions count real tokens only.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
+
+from megacispo.models.config import SOFTMAX, HybridModelConfig
+from megacispo.models.decoder_layer import block_spec
+from megacispo.models.layers import InferenceCache, RotaryEmbedding, enter_tensor_parallel_region
+
+
+class HybridModel(LanguageModule):
+    """One pipeline stage (all of it when PP = 1) of the hybrid model.
+
+    model: the architecture; config: Megatron's TransformerConfig for it under the parallel
+    layout (``models.config.transformer_config``); pre_process / post_process: this stage holds
+    the embedding / the final norm and LM head.
+    """
+
+    def __init__(
+        self,
+        model: HybridModelConfig,
+        config: TransformerConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
+    ) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.model = model
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.vp_stage = vp_stage
+        self.model_type = ModelType.encoder_or_decoder
+        self.share_embeddings_and_output_weights = False
+        self.vocab_size = model.vocab_size
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
+                position_embedding_type="none", tp_group=self.pg_collection.tp,
+            )
+        self.rotary = RotaryEmbedding(model.rotary_dim, model.rotary_base)
+        self.decoder = TransformerBlock(
+            config=config,
+            spec=block_spec(model, config, get_pg_rank(self.pg_collection.pp), vp_stage),
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=self.pg_collection,
+            vp_stage=vp_stage,
+        )
+        self._has_softmax_layers = any(
+            model.layer_kind(layer.layer_number - 1) == SOFTMAX for layer in self.decoder.layers
+        )
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, model.vocab_size, config=config, init_method=config.init_method,
+                bias=False, gather_output=False, tp_group=self.pg_collection.tp,
+            )
+        self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """The previous pipeline stage's output (called by Megatron's schedules)."""
+        if isinstance(input_tensor, list):
+            assert len(input_tensor) == 1, "one model chunk per stage"
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        packed_seq_params: PackedSeqParams | None = None,
+        return_hidden_states: bool = False,
+        inference_context: InferenceCache | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """input_ids [b, s]; position_ids [b, s] (default 0..s-1, or per document when packed);
+        attention_mask [b, s], True (1) for real tokens, None when all are (HF's meaning, not
+        Megatron's [b, 1, s, s]); labels [b, s]; packed_seq_params: documents packed into batch 1
+        (cu_seqlens_q), each attending only to itself.
+
+        Returns on the last stage: logits [b, s, V/TP] (fp32 with fp32_lm_head), or with labels the
+        cross-entropy [b, s], or with return_hidden_states the final-norm hidden states [b, s, H]
+        of the full sequence, ready for a fused LM-head loss with this rank's vocab shard
+        ``lm_head_weight`` (their backward sums the TP ranks' gradients, as the output layer's own
+        input does). Earlier stages return the hidden states [s(/TP), b, H] for the next stage.
+        """
+        seq_len = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = _default_positions(input_ids, packed_seq_params)
+        if attention_mask is not None:
+            attention_mask = attention_mask.bool()
+        hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
+        cos = sin = None
+        if self._has_softmax_layers:
+            cos, sin = self.rotary(position_ids.expand(input_ids.shape[0], seq_len))
+        hidden = self.decoder(
+            hidden_states=hidden,
+            attention_mask=attention_mask,
+            rotary_pos_cos=cos,
+            rotary_pos_sin=sin,
+            packed_seq_params=packed_seq_params,
+            inference_context=inference_context,
+        )
+        if not self.post_process:
+            return hidden
+        if return_hidden_states:
+            hidden = enter_tensor_parallel_region(hidden, self.config.sequence_parallel, self.pg_collection.tp)
+            return hidden.transpose(0, 1)
+        logits = self._logits(hidden)  # [s, b, V/TP]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """This rank's vocab shard of the LM head, [V/TP, H]."""
+        return self.output_layer.weight
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s(/TP), b, H] -> [s, b, V/TP]; with fp32_lm_head the matmul and the logits are fp32 (the
+        bf16 weight is upcast; its gradient flows back through the cast)."""
+        weight = self.output_layer.weight
+        if self.model.fp32_lm_head:
+            hidden, weight = hidden.float(), weight.float()
+        logits, _ = self.output_layer(hidden, weight=weight)
+        return logits
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> ShardedStateDict:
+        """Checkpoint keys name each layer by its global number (``decoder.layers.N.``): lightning and
+        softmax layers hold different parameters, so they cannot be stacked along a layer axis.
+        The same keys at any TP / PP / EP layout let checkpoints reshard."""
+        metadata = {**(metadata or {}), "non_homogeneous_layers": True}
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    # ------------------------------------------------------------------------------------------
+    # Decoding
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, return_all_logits: bool = False
+    ) -> tuple[torch.Tensor, InferenceCache]:
+        """Run left-padded prompts and build the decoding cache.
+
+        input_ids [b, s]; attention_mask [b, s], 1 for real tokens, 0 for the left padding (None:
+        no padding). Returns (logits, cache): the full-vocabulary logits fp32 of the last position
+        [b, V], or of every position [b, s, V] with return_all_logits (pad positions hold junk).
+        """
+        self._check_decodable()
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        attention_mask = attention_mask.bool()
+        _check_left_padded(attention_mask)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        cache = InferenceCache(valid_mask=attention_mask, next_positions=attention_mask.long().sum(-1))
+        logits = self._decode_forward(input_ids, position_ids, attention_mask, cache)
+        return (logits if return_all_logits else logits[:, -1]), cache
+
+    @torch.no_grad()
+    def decode_step(self, token_ids: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, InferenceCache]:
+        """Append one token per sequence (token_ids [b] or [b, 1]); returns (logits [b, V] fp32, cache),
+        the cache advanced in place."""
+        self._check_decodable()
+        token_ids = token_ids.reshape(cache.batch_size, 1)
+        position_ids = cache.next_positions[:, None]
+        cache.valid_mask = torch.cat((cache.valid_mask, torch.ones_like(cache.valid_mask[:, :1])), dim=1)
+        logits = self._decode_forward(token_ids, position_ids, None, cache)
+        cache.next_positions = cache.next_positions + 1
+        return logits[:, -1], cache
+
+    def _decode_forward(self, input_ids, position_ids, attention_mask, cache: InferenceCache) -> torch.Tensor:
+        logits = self.forward(input_ids, position_ids, attention_mask, inference_context=cache)
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp).float()
+
+    def _check_decodable(self) -> None:
+        if not (self.pre_process and self.post_process):
+            raise ValueError(
+                "prefill / decode_step need the whole model in one stage: build it with "
+                "pipeline_model_parallel_size = 1."
+            )
+        if self.config.sequence_parallel:
+            raise ValueError(
+                "prefill / decode_step cannot split one new token along the sequence: build the "
+                "decoding model with parallel.sequence_parallel = false (the weights are the same)."
+            )
+
+
+def _default_positions(input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
+    """0..s-1, restarting at each packed document."""
+    seq_len = input_ids.shape[1]
+    index = torch.arange(seq_len, device=input_ids.device)
+    if packed_seq_params is None:
+        return index[None]
+    cu_seqlens = packed_seq_params.cu_seqlens_q.to(device=input_ids.device, dtype=torch.long)
+    starts = torch.repeat_interleave(cu_seqlens[:-1], torch.diff(cu_seqlens))
+    return (index - starts)[None]
+
+
+def _check_left_padded(attention_mask: torch.Tensor) -> None:
+    if attention_mask.shape[1] and bool((attention_mask[:, 1:].long() < attention_mask[:, :-1].long()).any()):
+        raise ValueError(
+            "attention_mask must be left-padded (each row zeros, then ones): a pad after a real token "
+            "would decay the lightning-attention state. Pad prompts on the left."
+        )
+    if not bool(attention_mask.any(dim=1).all()):
+        raise ValueError("attention_mask has a row without real tokens: every prompt needs at least one token.")

@@ -1,0 +1,137 @@
+"""The softmax-attention mixer as a Megatron-Core module: GQA with separate column-parallel q/k/v
+projections (HF's q_proj / k_proj / v_proj, each split by heads under TP), RoPE on the first
+rotary_dim channels of each head, scale 1/sqrt(head_dim), causal, torch's
+scaled_dot_product_attention, row-parallel o_proj. A KV cache serves decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megacispo.models.layers import (
+    InferenceCache,
+    apply_rotary,
+    enter_tensor_parallel_region,
+    local_column_parallel_linear,
+    row_parallel_linear,
+)
+
+
+@dataclass
+class SoftmaxAttentionSubmodules:
+    """Builders of the projections, each called as (config, input_size, output_size, tp_group)."""
+
+    q_proj: Callable = local_column_parallel_linear
+    k_proj: Callable = local_column_parallel_linear
+    v_proj: Callable = local_column_parallel_linear
+    o_proj: Callable = row_parallel_linear
+
+
+class SoftmaxAttention(MegatronModule):
+    """Causal GQA softmax attention of one decoder layer: [s(/TP), b, H] -> [s(/TP), b, H]."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SoftmaxAttentionSubmodules,
+        layer_number: int,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.tp_group = pg_collection.tp
+        tp_size = self.tp_group.size()
+        self.layer_idx = layer_number - 1
+        self.head_dim = config.kv_channels
+        self.num_local_heads = config.num_attention_heads // tp_size
+        self.num_local_kv_heads = config.num_query_groups // tp_size
+        width = config.num_attention_heads * self.head_dim
+        kv_width = config.num_query_groups * self.head_dim
+        self.q_proj = submodules.q_proj(config, config.hidden_size, width, self.tp_group)
+        self.k_proj = submodules.k_proj(config, config.hidden_size, kv_width, self.tp_group)
+        self.v_proj = submodules.v_proj(config, config.hidden_size, kv_width, self.tp_group)
+        self.o_proj = submodules.o_proj(config, width, config.hidden_size, self.tp_group)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+        inference_context: InferenceCache | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """hidden_states [s(/TP), b, H]; attention_mask [b, s] bool, True for real tokens (pad keys are
+        masked); rotary_pos_cos / _sin [b, s, rotary_dim] for the full sequence; packed_seq_params:
+        documents packed in batch 1 (attention stays inside each document); inference_context: the
+        decoding cache, whose valid_mask already covers these tokens."""
+        full = enter_tensor_parallel_region(hidden_states, self.config.sequence_parallel, self.tp_group)
+        seq_len, batch = full.shape[:2]
+        q = self._heads(self.q_proj(full)[0], self.num_local_heads)  # [b, heads, s, d]
+        k = self._heads(self.k_proj(full)[0], self.num_local_kv_heads)  # [b, kv heads, s, d]
+        v = self._heads(self.v_proj(full)[0], self.num_local_kv_heads)
+        q, k = apply_rotary(q, rotary_pos_cos, rotary_pos_sin), apply_rotary(k, rotary_pos_cos, rotary_pos_sin)
+        if inference_context is not None:
+            k, v = self._extend_cache(inference_context, k, v)
+            mask = _padded_causal_mask(inference_context.valid_mask, seq_len)
+        elif packed_seq_params is not None:
+            mask = _document_causal_mask(packed_seq_params.cu_seqlens_q, seq_len, q.device)
+        elif attention_mask is not None:
+            mask = _padded_causal_mask(attention_mask.bool(), seq_len)
+        else:
+            mask = None
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5, enable_gqa=True
+        )  # [b, heads, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
+        out, _ = self.o_proj(out)
+        return out
+
+    def _heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """[s, b, heads * d] -> [b, heads, s, d]."""
+        seq_len, batch = projected.shape[:2]
+        return projected.view(seq_len, batch, num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+    def _extend_cache(self, cache: InferenceCache, k: torch.Tensor, v: torch.Tensor):
+        if self.layer_idx in cache.keys:
+            k = torch.cat((cache.keys[self.layer_idx], k), dim=2)
+            v = torch.cat((cache.values[self.layer_idx], v), dim=2)
+        cache.keys[self.layer_idx], cache.values[self.layer_idx] = k, v
+        return k, v
+
+
+def _padded_causal_mask(key_valid: torch.Tensor, query_len: int) -> torch.Tensor:
+    """[b, 1, s, T] bool: the last s of T positions attend causally to the valid keys.
+
+    A pad query would have no key left (a NaN row in softmax); it may attend to itself. Its output
+    is never read by a real token: pads are masked as keys here and zeroed in lightning layers.
+    """
+    key_len = key_valid.shape[1]
+    key_index = torch.arange(key_len, device=key_valid.device)
+    query_index = key_index[key_len - query_len :, None]  # absolute positions of the queries
+    causal = key_index[None, :] <= query_index  # [s, T]
+    itself = key_index[None, :] == query_index
+    return ((causal & key_valid[:, None, :]) | itself)[:, None]
+
+
+def _document_causal_mask(cu_seqlens: torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, s, s] bool: causal attention inside each packed document."""
+    lengths = torch.diff(cu_seqlens.to(device=device, dtype=torch.long))
+    if int(lengths.sum()) != seq_len:
+        raise ValueError(
+            f"packed_seq_params.cu_seqlens_q ends at {int(cu_seqlens[-1])} but the sequence has {seq_len} "
+            f"tokens: the documents must cover the packed sequence exactly."
+        )
+    document = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    index = torch.arange(seq_len, device=device)
+    return ((document[:, None] == document[None, :]) & (index[None, :] <= index[:, None]))[None, None]
