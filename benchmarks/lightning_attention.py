@@ -6,9 +6,9 @@ Prints two markdown tables:
 2. at one length: the custom autograd.Function (hand-written backward) vs plain autograd through
    the same block-wise forward: time and the bytes autograd keeps for backward.
 
-Times are the best of --repeats steps: on a shared machine the minimum is the least disturbed.
+Times are the best of several steps: on a shared machine the minimum is the least disturbed.
 
-    .venv/bin/python benchmarks/lightning_attention.py [--threads 1]
+    .venv/bin/python benchmarks/lightning_attention.py [--threads 1 --clock cpu]
 """
 
 from __future__ import annotations
@@ -27,13 +27,23 @@ from megacispo.models.lightning import lightning_attention, lightning_decay_rate
 Step = Callable[[], None]
 
 
-def best_ms(step: Step, repeats: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def best_ms(step: Step, repeats: int, clock: str) -> float:
+    timer = CLOCKS[clock]
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = timer()
         step()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((timer() - start) * 1e3)
     return min(times)
+
+
+def clear_grads(*tensors: torch.Tensor) -> None:
+    """As zero_grad(set_to_none=True) does each step: backward then stores, not adds, the grads."""
+    for tensor in tensors:
+        tensor.grad = None
 
 
 def random_inputs(shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
@@ -49,6 +59,7 @@ def lightning_step(seq_len: int, heads: int, head_dim: int, block_size: int) -> 
     decay = lightning_decay_rates(heads, layer_idx=0, num_layers=80)
 
     def step() -> None:
+        clear_grads(q, k, v)
         out, _ = lightning_attention(q, k, v, decay, block_size=block_size)
         out.backward(grad_out)
 
@@ -59,6 +70,7 @@ def softmax_step(seq_len: int, heads: int, head_dim: int) -> Step:
     q, k, v, grad_out = random_inputs((1, heads, seq_len, head_dim))
 
     def step() -> None:
+        clear_grads(q, k, v)
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad_out)
 
     return step
@@ -69,10 +81,11 @@ def autograd_lightning_step(seq_len: int, heads: int, head_dim: int, block_size:
     q, k, v, grad_out = random_inputs((1, seq_len, heads, head_dim))
     decay = lightning_decay_rates(heads, layer_idx=0, num_layers=80)
     blocks_per_chunk = max(1, lightning.CHUNK_TOKENS // block_size)
-    layout = lightning._BlockLayout.build([seq_len], block_size, blocks_per_chunk, q.device)
+    layout = lightning._BlockLayout.build((seq_len,), block_size, blocks_per_chunk, q.device)
     decays = lightning._BlockDecays.build(decay, layout, q.dtype, with_initial_state=False)
 
     def step() -> None:
+        clear_grads(q, k, v)
         out, _, _ = lightning._lightning_forward(q, k, v, None, decays, layout)
         out.backward(grad_out)
 
@@ -98,9 +111,11 @@ def print_speed_table(args: argparse.Namespace) -> None:
     print("|---:|---:|---:|---:|")
     lightning_ms = {}
     for seq_len in args.lengths:
-        lightning_ms[seq_len] = best_ms(lightning_step(seq_len, args.heads, args.head_dim, args.block_size), args.repeats)
-        softmax_ms = best_ms(softmax_step(seq_len, args.heads, args.head_dim), args.repeats)
-        print(f"| {seq_len} | {lightning_ms[seq_len]:.1f} | {softmax_ms:.1f} | {softmax_ms / lightning_ms[seq_len]:.1f} |")
+        step = lightning_step(seq_len, args.heads, args.head_dim, args.block_size)
+        lightning_ms[seq_len] = best_ms(step, args.repeats, args.clock)
+        softmax_ms = best_ms(softmax_step(seq_len, args.heads, args.head_dim), args.softmax_repeats, args.clock)
+        ratio = softmax_ms / lightning_ms[seq_len]
+        print(f"| {seq_len} | {lightning_ms[seq_len]:.1f} | {softmax_ms:.1f} | {ratio:.1f} |")
     longest, reference = max(args.lengths), 2048
     if reference in lightning_ms and longest != reference:
         growth = lightning_ms[longest] / lightning_ms[reference]
@@ -119,7 +134,7 @@ def print_backward_table(args: argparse.Namespace) -> None:
     print("| variant | forward + backward ms | saved for backward MiB |")
     print("|---|---:|---:|")
     for name, step in variants.items():
-        print(f"| {name} | {best_ms(step, args.repeats):.1f} | {saved_for_backward_mib(step):.1f} |")
+        print(f"| {name} | {best_ms(step, args.repeats, args.clock):.1f} | {saved_for_backward_mib(step):.1f} |")
     qkv_mib = 3 * seq_len * args.heads * args.head_dim * 4 / 2**20
     print(f"\n(q, k, v themselves: {qkv_mib:.1f} MiB)")
 
@@ -130,7 +145,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many timed steps per cell")
+    parser.add_argument("--repeats", type=int, default=7, help="best of this many lightning steps per cell")
+    parser.add_argument("--softmax-repeats", type=int, default=3, help="best of this many softmax steps per cell")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="cpu: this process's CPU time, which with --threads 1 ignores the time spent waiting for a shared core",
+    )
     parser.add_argument("--memory-length", type=int, default=4096, help="length for the Function vs autograd table")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for this run")
     args = parser.parse_args()
@@ -141,7 +163,7 @@ def main() -> None:
     print(
         f"batch 1, {args.heads} heads, head_dim {args.head_dim}, fp32, forward + backward, "
         f"lightning block_size {args.block_size} (chunks of {lightning.CHUNK_TOKENS} tokens), "
-        f"best of {args.repeats}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.clock} clock, best of {args.repeats} (softmax {args.softmax_repeats}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{os.cpu_count()} CPUs, load average at start {load}\n"
     )
     # Warm up both kernels (first-call allocations, thread pool start-up).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU quick start, end to end on a fresh machine: set-up, task data, tokenizer, SFT warm start,
-# then CISPO RL of the tiny hybrid MoE model with torchrun on 2 processes (TP=2), with TensorBoard
+# then CISPO RL of the tiny hybrid MoE model with torchrun on 2 processes (EP=2), with TensorBoard
 # logs and checkpoints under runs/quickstart. Environment variables (defaults in brackets):
 #   NPROC [2]  processes;  RUN_DIR [runs/quickstart]  must match the config's paths;
 #   EXTRA      more --set overrides for both stages, e.g. EXTRA="--set train.steps=5"

@@ -19,6 +19,7 @@ tensors in model space, the way a plain optimizer stores them), so it reshards a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -75,11 +76,86 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _materialize_adam_state(optimizer) -> None:
+    """Give a distributed optimizer that never stepped torch AdamW's initial state.
+
+    Megatron-Core 0.16.1's ``DistributedOptimizer.state_dict()`` reads the ``step`` of every torch
+    AdamW state (distrib_optimizer.py:640-642, the path without Apex or Transformer Engine), and its
+    ``sharded_state_dict(is_loading=True)`` calls it: loading into a fresh optimizer fails there.
+    The placeholder values are overwritten by the load.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(megatron_optimizer, distrib_optimizer.DistributedOptimizer):
+            continue
+        inner = megatron_optimizer.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+
+
+@contextlib.contextmanager
+def _steps_set_aside(inner: torch.optim.Optimizer):
+    """Remove torch AdamW's per-parameter ``step`` for the duration, then give every parameter
+    its own copy back. Megatron's ``DistributedOptimizer.load_state_dict`` (distrib_optimizer.py:
+    817-825, without Apex/TE) puts ONE step tensor into every parameter's state, and torch AdamW increments each
+    parameter's step in place: shared, it would advance once per parameter per optimizer step."""
+    steps = {param: state.pop("step") for param, state in inner.state.items() if "step" in state}
+    try:
+        yield
+    finally:
+        for param, step in steps.items():
+            inner.state[param]["step"] = step.clone()
+
+
+def _load_optimizer(optimizer, state: Any) -> None:
+    """``optimizer.load_state_dict(state)``, loading each distributed optimizer's parameter state
+    (main params, exp_avg, exp_avg_sq) in a second pass.
+
+    Megatron-Core 0.16.1's ``DistributedOptimizer._set_main_param_and_optimizer_states``
+    (distrib_optimizer.py:936-940) copies every key of the torch AdamW state, including the 0-dim
+    ``step`` that the parameter state does not hold: KeyError 'step' whenever neither Apex nor
+    Transformer Engine provides FusedAdam. The step itself comes from the param groups (first pass).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        pairs = [(optimizer, state)]
+    elif len(chained) == 1:
+        pairs = [(chained[0], state)]
+    else:
+        # Megatron's ChainedOptimizer keys its sub-states by optimizer index.
+        pairs = list(zip(chained, (state[index] for index in sorted(state))))
+    param_states = []
+    for megatron_optimizer, sub_state in pairs:
+        if isinstance(megatron_optimizer, DistributedOptimizer) and "param_state" in sub_state:
+            sharding_type = sub_state.pop("param_state_sharding_type")
+            assert sharding_type == OPTIMIZER_SHARDING_TYPE, sharding_type
+            param_states.append((megatron_optimizer, sub_state.pop("param_state")))
+    optimizer.load_state_dict(state)
+    for megatron_optimizer, param_state in param_states:
+        with _steps_set_aside(megatron_optimizer.optimizer):
+            megatron_optimizer.load_parameter_state_from_fully_reshardable(param_state)
+
+
 def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict[str, Any]:
     metadata = _sharded_metadata()
     model_state = _unwrap(model).sharded_state_dict(metadata=metadata)
     state = {"model": model_state}
     if optimizer is not None:
+        if is_loading:
+            _materialize_adam_state(optimizer)
         # The optimizer maps its states onto the model's sharding: same tensors, "optimizer." keys.
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
     return state
@@ -219,12 +295,14 @@ def save_checkpoint(
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_temporaries(root)
-        (temporary / RNG_DIR).mkdir(parents=True)
+        temporary.mkdir()
     _barrier()
 
     from megatron.core import dist_checkpointing
 
+    # Into an empty directory: Megatron warns about overwriting a corrupted checkpoint otherwise.
     dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(temporary))
+    (temporary / RNG_DIR).mkdir(exist_ok=True)
     torch.save(_capture_rng(), _rng_file(temporary, rank))
     _barrier()
     if rank == 0:
@@ -373,7 +451,7 @@ def load_checkpoint(
     loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(path))
     _unwrap(model).load_state_dict(loaded["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        _load_optimizer(optimizer, loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
     if load_rng:

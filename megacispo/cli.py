@@ -12,14 +12,16 @@ from megacispo.models.config import model_shape, parameter_counts
 from megacispo.parallel.layout import validate_layout, world_size_from_env
 
 
-def build_parser(description: str) -> argparse.ArgumentParser:
+def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
+    """The shared command line; ``--load`` sets ``load_field`` (train.load for RL, sft.load for SFT)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML run config (examples/configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted override, e.g. --set rl.loss.params.eps_high=4.0 (repeatable)")
-    parser.add_argument("--load", help="start from this checkpoint (sets train.load)")
+    parser.add_argument("--load", help=f"start from this checkpoint (sets {load_field})")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config and the parallel layout, print the plan, build nothing")
+    parser.set_defaults(load_field=load_field)
     return parser
 
 
@@ -38,7 +40,7 @@ def start_up(args: argparse.Namespace) -> tuple[Config, int]:
     # is expected, and the warnings would bury the run's own output.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    overrides = list(args.set) + ([f"train.load={args.load}"] if args.load else [])
+    overrides = list(args.set) + ([f"{args.load_field}={args.load}"] if args.load else [])
     config = load_config(args.config, overrides)
     world_size = world_size_from_env()
     validate_layout(config.parallel, world_size, model_shape(config.model))

@@ -149,6 +149,8 @@ class SFTConfig:
     """Prompt/answer pairs per optimizer step."""
     lr: float = 1e-3
     """Peak learning rate (warm-up then cosine decay, AdamW settings from optimizer)."""
+    load: str = ""
+    """Start from this checkpoint (e.g. a converted Hugging Face model); empty: random initialization."""
     out: str = ""
     """Where the warm-started checkpoint goes (default: <run_dir>/sft)."""
 
@@ -173,10 +175,6 @@ class Config:
     """The run."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """The supervised warm start."""
-
-
-def _field_types(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _coerce(value: Any, annotation: Any, path: str) -> Any:
@@ -207,6 +205,12 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
         return list(value)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):
+        # YAML 1.1 reads 1e-3 (no dot) as a string.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if annotation is Any or (isinstance(annotation, type) and isinstance(value, annotation)
                              and not (annotation is int and isinstance(value, bool))):
         return value
@@ -218,26 +222,23 @@ def _build(cls, values: dict, path: str):
     """Instantiate dataclass ``cls`` from a mapping, refusing unknown keys."""
     if cls is HybridModelConfig:
         return _build_model(values, path)
-    types_by_name = _field_types(cls)
+    return cls(**_typed_fields(cls, values, path))
+
+
+def _typed_fields(cls, values: dict, path: str, also_valid: tuple[str, ...] = ()) -> dict:
+    types_by_name = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(types_by_name))
     if unknown:
-        raise ValueError(
-            f"{path}.{unknown[0]}: unknown field; valid fields of {path}: {', '.join(sorted(types_by_name))}"
-        )
-    kwargs = {name: _coerce(value, types_by_name[name], f"{path}.{name}") for name, value in values.items()}
-    return cls(**kwargs)
+        valid = ", ".join([*also_valid, *sorted(types_by_name)])
+        raise ValueError(f"{path}.{unknown[0]}: unknown field; valid fields of {path}: {valid}")
+    return {name: _coerce(value, types_by_name[name], f"{path}.{name}") for name, value in values.items()}
 
 
 def _build_model(values: dict, path: str) -> HybridModelConfig:
+    """A named size (``size``, default tiny) with some of its fields overridden."""
     values = dict(values)
     size = values.pop("size", "tiny")
-    types_by_name = _field_types(HybridModelConfig)
-    unknown = sorted(set(values) - set(types_by_name))
-    if unknown:
-        raise ValueError(
-            f"{path}.{unknown[0]}: unknown field; valid fields of {path}: size, {', '.join(sorted(types_by_name))}"
-        )
-    overrides = {name: _coerce(value, types_by_name[name], f"{path}.{name}") for name, value in values.items()}
+    overrides = _typed_fields(HybridModelConfig, values, path, also_valid=("size",))
     try:
         return model_config(size, **overrides)
     except ValueError as error:

@@ -24,10 +24,10 @@ RewardFn = Callable[[str, PromptRecord], float]
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 
-# numeric: |prediction - answer| <= max(abs_tol, rel_tol * |answer|). A record may carry its own
-# absolute tolerance in the extra field "tolerance".
-NUMERIC_ABS_TOL = Decimal("1e-6")
-NUMERIC_REL_TOL = Decimal("1e-9")
+# numeric: |prediction - answer| <= tolerance, compared exactly in Decimal. Absolute, not relative:
+# a relative tolerance would equate 12345678901 and 12345678902, wrong for integer arithmetic. A
+# record may carry its own tolerance in the extra field "tolerance".
+NUMERIC_TOLERANCE = Decimal("1e-6")
 
 # How much of a prompt or response a failure warning shows, and how many failures of one call are
 # logged in full (a broken verifier fails on every sample; one line per sample would flood the log).
@@ -93,7 +93,7 @@ def parse_number(text: str) -> Decimal | None:
 def _numeric_tolerance(record: PromptRecord) -> Decimal:
     tolerance = record.extra.get("tolerance")
     if tolerance is None:
-        return NUMERIC_ABS_TOL
+        return NUMERIC_TOLERANCE
     try:
         return Decimal(str(tolerance))
     except InvalidOperation as error:
@@ -109,8 +109,7 @@ def numeric(response: str, record: PromptRecord) -> float:
     prediction = last_number(response)
     if prediction is None:
         return 0.0
-    tolerance = max(_numeric_tolerance(record), NUMERIC_REL_TOL * abs(target))
-    return float(abs(prediction - target) <= tolerance)
+    return float(abs(prediction - target) <= _numeric_tolerance(record))
 
 
 # ---------------------------------------------------------------------------------------------

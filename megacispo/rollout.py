@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from megacispo.config import RolloutConfig
@@ -81,9 +82,15 @@ def generate(
     eos_id: int,
     pad_id: int,
     generator: torch.Generator,
+    lockstep_group: dist.ProcessGroup | None = None,
     show_progress: bool = False,
 ) -> Samples:
-    """Sample one response per prompt (repeat a prompt G times for a group)."""
+    """Sample one response per prompt (repeat a prompt G times for a group).
+
+    ``lockstep_group``: ranks whose forward passes communicate with each other beyond tensor
+    parallelism (expert parallelism's all-to-all spans data-parallel ranks): they all decode until
+    every one of them has finished, so each runs the same number of forward passes.
+    """
     num_samples = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts])
     width = int(prompt_lengths.max())
@@ -115,12 +122,19 @@ def generate(
             stop = active & ~finished & (confident_run >= config.early_truncation_tokens)
             truncated |= stop
             finished |= stop
-        if bool(finished.all()) or t + 1 == config.max_new_tokens:
+        if t + 1 == config.max_new_tokens or _all_finished(finished, lockstep_group):
             break
         # Finished rows keep decoding a pad (cheaper than reshaping the cache); their output is ignored.
         step_tokens = torch.where(finished, torch.full_like(tokens, pad_id), tokens)
         next_logits, cache = model.decode_step(step_tokens, cache)
     return _assemble(prompts, prompt_lengths, responses, response_logprobs, response_lengths, truncated, pad_id)
+
+
+def _all_finished(finished: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    flag = torch.tensor(int(finished.all()))
+    if group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag)
 
 
 def _assemble(prompts, prompt_lengths, responses, response_logprobs, response_lengths, truncated, pad_id) -> Samples:

@@ -17,7 +17,7 @@ from megacispo.data import load_sft_pairs
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser(__doc__).parse_args(argv)
+    args = build_parser(__doc__, load_field="sft.load").parse_args(argv)
     with bad_input_exits():
         config, world_size = start_up(args)
         if args.dry_run:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import load_checkpoint, save_checkpoint
+    from megacispo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from megacispo.config import to_dict
     from megacispo.data import PromptSampler, build_sft_example, collate_sft
     from megacispo.engine import Engine
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     sft = config.sft
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr)
-    if config.train.load:
-        load_checkpoint(config.train.load, engine.module, load_rng=False)
+    if sft.load:
+        load_checkpoint(latest_checkpoint(sft.load) or sft.load, engine.module, load_rng=False)
     out_dir = Path(sft.out or Path(config.train.run_dir) / "sft")
     logger = MetricsLogger(str(out_dir), enabled=is_logging_rank())
     sampler = PromptSampler(pairs, seed=config.train.seed)
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.all_reduce(metrics, group=engine.dp_group)
         logger.log(step, {"sft/loss": float(metrics[0]), "perf/grad_norm": result.grad_norm, "perf/lr": result.lr})
     save_checkpoint(out_dir / "checkpoints", sft.steps, engine.module, config_dict=to_dict(config), keep_last=1)
-    logger.print(f"SFT checkpoint: {out_dir / 'checkpoints'}")
+    if logger.enabled:
+        print(f"SFT checkpoint: {out_dir / 'checkpoints'}")
     logger.close()
     destroy_distributed()
     return 0

@@ -92,8 +92,12 @@ class TaskData:
     test: list[PromptRecord]
 
     def corpus_lines(self) -> list[str]:
-        """Tokenizer training text: each training problem written out with its answer."""
-        return [record.prompt + record.answer for record in self.train]
+        """Tokenizer training text: each training prompt and answer, each on its own line.
+
+        Separate lines because the model always sees them tokenized separately (prompt, then
+        answer): "=" followed by a negative answer's "-" must not become a "=-" piece.
+        """
+        return [text for record in self.train for text in (record.prompt, record.answer)]
 
 
 def generate_task_data(

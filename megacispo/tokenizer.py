@@ -1,7 +1,8 @@
 """A thin wrapper over sentencepiece: load a trained model, encode, decode, the special ids; train one.
 
 Training choices (``train_sentencepiece``), made so the small arithmetic task is learnable and text
-survives a round trip exactly (decode(encode(s)) == s for every string):
+survives a round trip exactly (decode(encode(s)) == s for every string without a literal U+2581,
+the character sentencepiece itself uses for a space):
   - BPE with ``split_digits``: every digit is its own token, so "123" is 1, 2, 3 and carrying is a
     per-digit pattern the model can learn, instead of a few hundred opaque multi-digit pieces.
   - The ten digits and the whitespace marker are required characters: they are pieces even when
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -154,15 +156,18 @@ def _train_model_bytes(lines: Iterable[str], vocab_size: int, exact_vocab_size: 
 
 
 def _training_error(error: RuntimeError, vocab_size: int) -> ValueError:
+    """sentencepiece's check failures, restated as what to pass instead."""
     message = str(error)
-    if "Vocabulary size is smaller than required_chars" in message:
-        needed = message.split(" vs ")[-1].split(".")[0]
+    too_small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+    if too_small:
+        needed = too_small.group(1)
         return ValueError(
             f"vocab_size={vocab_size} is too small: the corpus' characters, the 256 byte-fallback pieces "
             f"and the 4 special tokens need {needed}; pass --vocab-size {needed} or more"
         )
-    if "Vocabulary size too high" in message:
-        limit = message.split("<=")[-1].strip(" .")
+    too_large = re.search(r"Vocabulary size too high.*<= (\d+)", message)
+    if too_large:
+        limit = too_large.group(1)
         return ValueError(
             f"vocab_size={vocab_size} is larger than this corpus supports (at most {limit} pieces); "
             f"pass --vocab-size {limit} or less, add text to the corpus, or drop --exact-vocab-size "

@@ -10,7 +10,7 @@ from megacispo.data import load_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser(__doc__)
+    parser = build_parser(__doc__, load_field="train.load")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args = parser.parse_args(argv)
     with bad_input_exits():
@@ -31,10 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(config, total_steps=config.train.steps * config.rl.updates_per_rollout, peak_lr=config.optimizer.lr)
     logger = MetricsLogger(config.train.run_dir, enabled=is_logging_rank())
     trainer = Trainer(config, engine, tokenizer, train_records, test_records, logger)
-    if args.resume and not trainer.resume():
-        logger.print(f"--resume: no checkpoint under {Path(config.train.run_dir) / 'checkpoints'}; starting fresh")
+    resumed = args.resume and trainer.resume()
+    if args.resume and not resumed and logger.enabled:
+        print(f"--resume: no checkpoint under {Path(config.train.run_dir) / 'checkpoints'}; starting fresh")
     accuracy = trainer.fit()
-    logger.print(f"held-out accuracy: {accuracy['before']:.3f} before RL, {accuracy['after']:.3f} after")
+    if logger.enabled:
+        print(f"held-out accuracy: {accuracy['before']:.3f} before RL, {accuracy['after']:.3f} after")
     logger.close()
     destroy_distributed()
     return 0

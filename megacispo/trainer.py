@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from megacispo.config import Config, to_dict
 from megacispo.data import PromptRecord, PromptSampler, encode_prompt
 from megacispo.engine import Engine
 from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
-from megacispo.metrics import MetricsLogger, pearson_correlation
+from megacispo.metrics import MetricsLogger, Timer, pearson_correlation
 from megacispo.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megacispo.rewards import get_reward_fn, score_responses
 from megacispo.rollout import Samples, generate, response_token_ids
@@ -103,21 +102,17 @@ class Trainer:
         return accuracy
 
     def rl_step(self) -> dict[str, float]:
-        timings = {}
-        start = time.perf_counter()
-        batch, rollout_metrics = self.collect_rollouts()
-        timings["perf/time_rollout_s"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        batch.old_logprobs = self.compute_old_logprobs(batch)
-        timings["perf/time_old_logprobs_s"] = time.perf_counter() - start
+        timer = Timer()
+        with timer("rollout"):
+            batch, rollout_metrics = self.collect_rollouts()
+        with timer("old_logprobs"):
+            batch.old_logprobs = self.compute_old_logprobs(batch)
         mask = batch.loss_mask.bool()
         rollout_metrics["rollout/train_rollout_prob_corr"] = pearson_correlation(
             batch.rollout_logprobs[mask].exp(), batch.old_logprobs[mask].exp())
-
-        start = time.perf_counter()
-        update_metrics = self.update(batch)
-        timings["perf/time_update_s"] = time.perf_counter() - start
+        with timer("update"):
+            update_metrics = self.update(batch)
+        timings = timer.metrics()
         num_tokens = self._all_reduce_sum(float(batch.loss_mask.sum()))
         timings["perf/tokens_per_s"] = num_tokens / sum(timings.values())
         self.consumed_samples += len(batch) * self.dp_size
@@ -161,7 +156,7 @@ class Trainer:
         prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records for _ in range(rollout.group_size)]
         samples = generate(
             self.engine.module, prompts, rollout, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-            generator=self._generator(), show_progress=self.logger.enabled,
+            generator=self._generator(), lockstep_group=self.engine.dp_group, show_progress=self.logger.enabled,
         )
         texts = [self._response_text(samples, row) for row in range(len(prompts))]
         repeated = [r for r in records for _ in range(rollout.group_size)]
@@ -308,7 +303,8 @@ class Trainer:
         prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records]
         self.engine.train(False)
         samples = generate(self.engine.module, prompts, greedy, eos_id=self.tokenizer.eos_id,
-                           pad_id=self.tokenizer.pad_id, generator=torch.Generator())
+                           pad_id=self.tokenizer.pad_id, generator=torch.Generator(),
+                           lockstep_group=self.engine.dp_group)
         self.engine.train(True)
         texts = [self._response_text(samples, row) for row in range(len(records))]
         rewards, _ = score_responses(self.reward_fn, texts, records, self.config.rl.failure_reward)

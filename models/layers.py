@@ -16,8 +16,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in fp32, or as it is if wider (fp64 models compute in fp64 throughout)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class RMSNorm(torch.nn.Module):
-    """RMSNorm over the last dimension, computed in fp32 like HF's MiniMaxRMSNorm:
+    """RMSNorm over the last dimension, computed in (at least) fp32 like HF's MiniMaxRMSNorm:
     weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype).
 
     Megatron's WrappedTorchNorm refuses sequence parallelism; here the weight is marked
@@ -32,8 +37,8 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        fp32 = hidden.float()
-        normed = fp32 * torch.rsqrt(fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = at_least_fp32(hidden)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(hidden.dtype)
 
 
@@ -70,11 +75,11 @@ class TensorParallelRMSNorm(torch.nn.Module):
         tensor_parallel.set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        fp32 = hidden.float()
-        sum_squares = fp32.pow(2).sum(-1, keepdim=True)
+        wide = at_least_fp32(hidden)
+        sum_squares = wide.pow(2).sum(-1, keepdim=True)
         if self.tp_size > 1:
             sum_squares = _AllReduceSum.apply(sum_squares, self.tp_group)
-        normed = fp32 * torch.rsqrt(sum_squares / self.hidden_size + self.eps)
+        normed = wide * torch.rsqrt(sum_squares / self.hidden_size + self.eps)
         return self.weight * normed.to(hidden.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
@@ -148,10 +153,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] channels of x [b, heads, s, d] (rotate-half convention, as HF);
-    cos, sin [b, s, rotary_dim]. Computed in fp32, returned in x's dtype."""
+    cos, sin [b, s, rotary_dim]. Computed in (at least) fp32, returned in x's dtype."""
     rotary_dim = cos.shape[-1]
     cos, sin = cos[:, None], sin[:, None]
-    rotated, passed = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    rotated, passed = at_least_fp32(x[..., :rotary_dim]), x[..., rotary_dim:]
     rotated = rotated * cos + _rotate_half(rotated) * sin
     return torch.cat((rotated.to(x.dtype), passed), dim=-1)
 

@@ -19,20 +19,26 @@ factors for every block; the last-block off-by-one (using B instead of the real 
 the inter-block decay) cannot occur. The state is reset at the first block of each document. An
 initial state enters as a separate linear term, exp(-s (p + 1)) q_p S_0 for the token at position
 p of its document, because folding it into the padded front would need exp(+s * padding), which
-overflows. Packed sequences thus cost at most B - 1 padding tokens per document and run in one
-vectorized pass (no Python loop over documents).
+overflows. Packed sequences thus cost at most B - 1 padding tokens per document and need no
+Python loop over documents: documents are masks in the block-to-block recurrence.
 
-Gradients come from a custom autograd.Function that saves only q, k, v (and the initial state)
-and recomputes the [B, B] block scores and the per-block states in backward; autograd through the
-block-wise forward would keep several [n, B] score tensors per head alive (benchmarks/
-lightning_attention.py measures both; see docs/benchmarks.md). The decay rates get no gradient:
-they are fixed buffers derived from the layer index.
+Chunks. Blocks are processed in chunks of CHUNK_TOKENS tokens: a chunk gathers its blocks, runs
+the state recurrence across them as one masked [G, G] matmul of block decay powers, and carries
+one d x d state per head to the next chunk. Temporaries stay a few MiB whatever n is.
 
-Shapes: b batch, n tokens, h heads, d head dim, c blocks (nb of them), B block size, D documents.
+Gradients. A custom autograd.Function saves q, k, v, the initial state and one state per chunk,
+and recomputes the [B, B] block scores and the block states in backward, chunk by chunk in
+reverse. Plain autograd through the same forward keeps about 3x more for backward
+(benchmarks/lightning_attention.py measures both; see docs/benchmarks.md). The decay rates get
+no gradient: they are fixed buffers derived from the layer index.
+
+Shapes: b batch, n tokens, h heads, d head dim, B block size, nb blocks, G blocks in a chunk,
+D documents.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +51,10 @@ __all__ = [
     "lightning_decode_step",
 ]
 
-# Blocks are processed in chunks of about this many tokens (at least one block): the working set
-# and the temporaries stay a few MiB, which keeps them in cache and reused by the allocator (on a
-# CPU, tensors over glibc's 32 MiB mmap threshold are page-faulted in afresh on every call).
+# Blocks are processed in chunks of about this many tokens (at least one block). Small chunks keep
+# the temporaries a few MiB: in cache, and reused by the allocator (on a CPU, tensors over glibc's
+# 32 MiB mmap threshold are page-faulted in afresh on every call, which doubled the step time at
+# 16k tokens). Larger chunks mean fewer, larger ops, which suits GPUs.
 CHUNK_TOKENS = 1024
 
 
@@ -113,14 +120,15 @@ def lightning_decode_step(
     """Advance the state by one token: O(d^2) per head.
 
     q, k, v: [b, h, d]; decay: [h]; state: [b, h, d, d]. Returns (out [b, h, d], new_state).
+    Only shapes are checked: checking the decay values would sync the device every token.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim] for one token, got shape {tuple(q.shape)}")
     for name, tensor in (("k", k), ("v", v)):
         if tensor.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(tensor.shape)}")
-    _check_decay(decay, q.shape[1])
     batch, num_heads, head_dim = q.shape
+    _check_decay_shape(decay, num_heads)
     _check_state("state", state, (batch, num_heads, head_dim, head_dim))
     step_decay = torch.exp(-decay.double()).to(state.dtype)[:, None, None]  # [h, 1, 1]
     new_state = step_decay * state + k.unsqueeze(-1) * v.unsqueeze(-2)  # [b, h, d, d]
@@ -143,7 +151,8 @@ def lightning_attention(
     Without cu_seqlens: initial_state and the returned final state are [b, h, d, d].
     With cu_seqlens (int [D + 1], cumulative document offsets as in flash-attn varlen, batch 1):
     the state resets at every document start, and initial_state / final state are [D, h, d, d].
-    initial_state None means zeros. Gradients flow to q, k, v and initial_state.
+    initial_state None means zeros. Gradients flow to q, k, v and initial_state, not to decay.
+    block_size: 256 as in the public code; on a CPU 64 to 128 is faster (docs/benchmarks.md).
     Returns (out [b, n, h, d], final_state).
     """
     _check_qkv(q, k, v)
@@ -152,20 +161,18 @@ def lightning_attention(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     doc_lengths = _document_lengths(cu_seqlens, batch, seq_len)
-    num_docs = len(doc_lengths)
+    packed = cu_seqlens is not None
     if initial_state is not None:
-        state_shape = (num_docs, num_heads, head_dim, head_dim) if cu_seqlens is not None else (
-            batch, num_heads, head_dim, head_dim)
-        _check_state("initial_state", initial_state, state_shape)
+        num_states = len(doc_lengths) if packed else batch
+        _check_state("initial_state", initial_state, (num_states, num_heads, head_dim, head_dim))
         if initial_state.dtype != q.dtype:
             raise ValueError(f"initial_state dtype must be q's {q.dtype}, got {initial_state.dtype}")
-        initial_state = _public_to_doc_states(initial_state, packed=cu_seqlens is not None)
+        initial_state = _public_to_doc_states(initial_state, packed)
 
-    blocks_per_chunk = max(1, CHUNK_TOKENS // block_size)
-    layout = _BlockLayout.build(doc_lengths, block_size, blocks_per_chunk, q.device)
+    layout = _BlockLayout.build(tuple(doc_lengths), block_size, max(1, CHUNK_TOKENS // block_size), q.device)
     decays = _BlockDecays.build(decay, layout, q.dtype, with_initial_state=initial_state is not None)
     out, final_states = _LightningAttentionFunction.apply(q, k, v, initial_state, decays, layout)
-    return out, _doc_to_public_states(final_states, packed=cu_seqlens is not None)
+    return out, _doc_to_public_states(final_states, packed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +183,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
     if q.shape[1] == 0:
-        raise ValueError("q has sequence length 0; pass at least one token")
+        raise ValueError("q has sequence length 0; pass at least one token (or skip the call)")
     for name, tensor in (("k", k), ("v", v)):
         if tensor.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(tensor.shape)}")
@@ -184,9 +191,13 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} dtype must be q's {q.dtype}, got {tensor.dtype}")
 
 
-def _check_decay(decay: torch.Tensor, num_heads: int) -> None:
+def _check_decay_shape(decay: torch.Tensor, num_heads: int) -> None:
     if decay.shape != (num_heads,):
         raise ValueError(f"decay must be [heads] = ({num_heads},), got shape {tuple(decay.shape)}")
+
+
+def _check_decay(decay: torch.Tensor, num_heads: int) -> None:
+    _check_decay_shape(decay, num_heads)
     if not bool(torch.all(torch.isfinite(decay) & (decay > 0))):
         raise ValueError(
             f"decay must hold finite positive rates s_h (state factor exp(-s_h) < 1), got {decay.tolist()}; "
@@ -271,20 +282,24 @@ class _BlockLayout:
     doc_lengths: torch.Tensor  # [D] long
 
     @staticmethod
-    def build(doc_lengths: list[int], block_size: int, blocks_per_chunk: int, device: torch.device) -> _BlockLayout:
+    @functools.lru_cache(maxsize=8)
+    def build(
+        doc_lengths: tuple[int, ...], block_size: int, blocks_per_chunk: int, device: torch.device
+    ) -> _BlockLayout:
+        """Cached: every lightning layer of a model step sees the same document lengths."""
         lengths = torch.tensor(doc_lengths, dtype=torch.long)
         blocks_per_doc = (lengths + block_size - 1) // block_size
         first_blocks = torch.cumsum(blocks_per_doc, 0) - blocks_per_doc
-        first_token_slot = (first_blocks + blocks_per_doc) * block_size - lengths  # slot of each document's token 0
+        first_token_slot = (first_blocks + blocks_per_doc) * block_size - lengths  # slot of each doc's token 0
         doc_starts = torch.cumsum(lengths, 0) - lengths
         docs = torch.arange(len(doc_lengths))
-        token_slots = torch.arange(int(lengths.sum())) + torch.repeat_interleave(first_token_slot - doc_starts, lengths)
+        token_slots = torch.arange(sum(doc_lengths)) + torch.repeat_interleave(first_token_slot - doc_starts, lengths)
         num_blocks = int(blocks_per_doc.sum())
         slot_doc = torch.repeat_interleave(docs, blocks_per_doc * block_size)
         slot_positions = torch.arange(num_blocks * block_size) - first_token_slot[slot_doc]
         doc_of_block = torch.repeat_interleave(docs, blocks_per_doc)
         chunks = [
-            _build_chunk(first, min(blocks_per_chunk, num_blocks - first), token_slots, doc_of_block, block_size, device)
+            _build_chunk(first, blocks_per_chunk, token_slots, doc_of_block, block_size, device)
             for first in range(0, num_blocks, blocks_per_chunk)
         ]
         return _BlockLayout(
@@ -299,12 +314,13 @@ class _BlockLayout:
 
 def _build_chunk(
     first_block: int,
-    num_blocks: int,
+    blocks_per_chunk: int,
     token_slots: torch.Tensor,
     doc_of_block: torch.Tensor,
     block_size: int,
     device: torch.device,
 ) -> _Chunk:
+    num_blocks = min(blocks_per_chunk, len(doc_of_block) - first_block)
     slot_start, slot_end = first_block * block_size, (first_block + num_blocks) * block_size
     # token_slots is increasing, so the chunk's tokens form a contiguous range.
     token_start, token_end = torch.searchsorted(token_slots, torch.tensor([slot_start, slot_end])).tolist()

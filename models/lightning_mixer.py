@@ -7,8 +7,8 @@
 
 Tensor parallelism splits the heads: qkv_proj and output_gate are column-parallel (head-major
 rows, so a contiguous row block is a block of whole heads), out_proj is row-parallel, and the
-RMSNorm's mean of squares is summed over the TP group. The attention itself runs in fp32 whatever
-the model's dtype (the state accumulates over the whole sequence).
+RMSNorm's mean of squares is summed over the TP group. The attention itself runs in fp32 (or
+fp64 in an fp64 model) whatever the model's dtype: the state accumulates over the whole sequence.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megacispo.models.layers import (
     InferenceCache,
     TensorParallelRMSNorm,
+    at_least_fp32,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
     row_parallel_linear,
@@ -98,8 +99,8 @@ class LightningMixer(MegatronModule):
         qkv = F.silu(qkv).transpose(0, 1).reshape(batch, seq_len, self.num_local_heads, 3 * self.head_dim)
         if attention_mask is not None:
             qkv = qkv * attention_mask[:, :, None, None].to(qkv.dtype)
-        q, k, v = qkv.float().split(self.head_dim, dim=-1)  # each [b, s, heads, d]
-        out = self._attend(q, k, v, packed_seq_params, inference_context)  # [b, s, heads, d] fp32
+        q, k, v = at_least_fp32(qkv).split(self.head_dim, dim=-1)  # each [b, s, heads, d]
+        out = self._attend(q, k, v, packed_seq_params, inference_context)  # [b, s, heads, d]
         out = out.to(full.dtype).reshape(batch, seq_len, -1).transpose(0, 1)  # [s, b, heads * d]
         gate, _ = self.output_gate(full)
         out, _ = self.out_proj(torch.sigmoid(gate) * self.norm(out))
@@ -113,7 +114,7 @@ class LightningMixer(MegatronModule):
         packed_seq_params: PackedSeqParams | None,
         cache: InferenceCache | None,
     ) -> torch.Tensor:
-        decay = self.decay_rates(q.device)
+        decay = self.decay_rates(q.device).to(q.dtype)
         state = None if cache is None else cache.lightning_states.get(self.layer_idx)
         if state is not None and q.shape[1] == 1:
             out, state = lightning_decode_step(q[:, 0], k[:, 0], v[:, 0], decay, state)

@@ -31,7 +31,7 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
-from megacispo.models.layers import InferenceCache, RotaryEmbedding, enter_tensor_parallel_region
+from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32, enter_tensor_parallel_region
 
 
 class HybridModel(LanguageModule):
@@ -150,7 +150,7 @@ class HybridModel(LanguageModule):
         bf16 weight is upcast; its gradient flows back through the cast)."""
         weight = self.output_layer.weight
         if self.model.fp32_lm_head:
-            hidden, weight = hidden.float(), weight.float()
+            hidden, weight = at_least_fp32(hidden), at_least_fp32(weight)
         logits, _ = self.output_layer(hidden, weight=weight)
         return logits
 
@@ -200,7 +200,7 @@ class HybridModel(LanguageModule):
 
     def _decode_forward(self, input_ids, position_ids, attention_mask, cache: InferenceCache) -> torch.Tensor:
         logits = self.forward(input_ids, position_ids, attention_mask, inference_context=cache)
-        return tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp).float()
+        return at_least_fp32(tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp))
 
     def _check_decodable(self) -> None:
         if not (self.pre_process and self.post_process):

@@ -97,6 +97,11 @@ def validate_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape
             f"model.num_experts = {shape.num_experts} is not divisible by expert_model_parallel_size = "
             f"{ep}: choose an EP size that divides the expert count."
         )
+    if shape.num_experts and tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            f"tensor_model_parallel_size = {tp} with {shape.num_experts} experts needs "
+            "parallel.sequence_parallel = true: Megatron-Core's MoE layer refuses to train under TP without it."
+        )
     if parallel.sequence_parallel and tp == 1:
         raise ValueError(
             "parallel.sequence_parallel = true needs tensor_model_parallel_size > 1 (it is 1): "

@@ -31,10 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 
 # The fused head computes this many bytes of fp32 logits at a time, per rank: small enough that a
 # chunk and its exp are a rounding error next to the weights, large enough that each chunk's
@@ -369,6 +365,12 @@ def lm_head_input(
         if sequence_parallel:
             raise ValueError("sequence_parallel = True needs a tp_group (sequence parallelism splits over TP ranks)")
         return hidden
+    # Imported here: megatron.core takes seconds to import, and nothing else in this module needs it.
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
     if sequence_parallel:
         return gather_from_sequence_parallel_region(hidden, group=tp_group)
     return copy_to_tensor_model_parallel_region(hidden, group=tp_group)

@@ -18,6 +18,7 @@ SHAPE = ModelShape(num_layers=8, num_attention_heads=4, num_query_groups=2, num_
         (4, dict(tensor_model_parallel_size=4), "model.num_query_groups = 2 (KV heads) is not divisible"),
         (3, dict(expert_model_parallel_size=3), "model.num_experts = 4 is not divisible by expert_model_parallel_size = 3"),
         (2, dict(sequence_parallel=True), "sequence_parallel = true needs tensor_model_parallel_size > 1"),
+        (2, dict(tensor_model_parallel_size=2), "with 4 experts needs parallel.sequence_parallel = true"),
         (2, dict(tensor_model_parallel_size=0), "parallel.tensor_model_parallel_size = 0"),
     ],
 )
@@ -37,8 +38,9 @@ def test_experts_parallel_without_experts():
     [
         (1, dict(), 1),
         (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), 1),
-        (4, dict(tensor_model_parallel_size=2), 2),
-        (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2), 2),
+        (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), 2),
+        (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                 sequence_parallel=True), 2),
     ],
 )
 def test_good_layouts(world_size, layout, data_parallel):

@@ -95,13 +95,25 @@ def test_gradients_match_autograd_through_recurrence(seq_len: int, with_initial_
         torch.testing.assert_close(got.grad, ref.grad, **EXACT, msg=f"gradient of {name}")
 
 
-@pytest.mark.parametrize("chunk_tokens", [3, 6, None])
+def test_strided_views_of_one_qkv_tensor() -> None:
+    # The model splits one projection [b, n, h, 3d] into q, k, v views: no copies needed.
+    q, k, v = random_qkv(1, 2 * BLOCK + 3)
+    qkv = torch.cat([q, k, v], dim=-1).requires_grad_(True)
+    out, final_state = lightning_attention(*qkv.split(HEAD_DIM, dim=-1), DECAY, block_size=BLOCK)
+    weighted_loss(out, final_state).backward()
+
+    ref_inputs = leaf(q, k, v)
+    weighted_loss(*lightning_attention_reference(*ref_inputs, DECAY)).backward()
+    torch.testing.assert_close(qkv.grad, torch.cat([x.grad for x in ref_inputs], dim=-1), **EXACT)
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, None])
 def test_gradcheck_tiny(chunk_tokens: int | None, monkeypatch) -> None:
     if chunk_tokens is not None:
         monkeypatch.setattr(lightning, "CHUNK_TOKENS", chunk_tokens)
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 7, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
-    initial_state = torch.randn(1, 2, 3, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    q, k, v = (torch.randn(1, 7, 2, 2, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
+    initial_state = torch.randn(1, 2, 2, 2, dtype=torch.float64, generator=gen, requires_grad=True)
     decay = torch.tensor([0.1, 0.9], dtype=torch.float64)
 
     def blockwise(q, k, v, initial_state):

@@ -1,0 +1,271 @@
+"""Metrics of a run: one pipeline, one logging rank.
+
+Every rank computes its metrics and the caller reduces them to the step's values (for the loss
+terms, ``losses.reduce_metrics``); a ``MetricsLogger`` then writes them on the logging rank only:
+TensorBoard event files under ``run_dir/tensorboard`` and one readable console line per step.
+
+Keys are namespaced ``group/name`` (TensorBoard draws one section per group): ``rollout/...``,
+``loss/...``, ``train/...``, ``perf/...``, ``moe/...``. Each scalar is logged against the step and,
+when the caller passes the number of consumed samples, also against it under
+``<key>_vs_samples`` (next to the step chart, as Megatron logs "<name> vs samples").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+TENSORBOARD_DIR = "tensorboard"
+VS_SAMPLES_SUFFIX = "_vs_samples"
+_KEY = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)+")
+_PHASE = re.compile(r"[a-z0-9_]+")
+_PHASE_KEY = re.compile(r"perf/time_([a-z0-9_]+)_s")
+
+# The console line: (key, label, format spec); keys absent from a step are left out.
+CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("loss/policy_loss", "loss", ".4f"),
+    ("rollout/reward_mean", "reward", ".3f"),
+    ("rollout/accuracy", "acc", ".3f"),
+    ("loss/clip_frac_high", "clip_hi", ".4f"),
+    ("loss/clip_frac_low", "clip_lo", ".4f"),
+    ("perf/tokens_per_s", "tok/s", ".0f"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which rank logs
+# ---------------------------------------------------------------------------------------------
+
+
+def logging_rank_for(world_size: int, pipeline_model_parallel_size: int = 1) -> int:
+    """The global rank that logs: tensor-parallel rank 0, data-parallel rank 0 of the LAST pipeline
+    stage, where the loss lives. Megatron-Core's default rank order ("tp-cp-ep-dp-pp") varies the
+    pipeline stage slowest, so the last stage holds the last ``world_size // pp`` ranks and its first
+    rank has TP = CP = DP = 0."""
+    if pipeline_model_parallel_size < 1 or world_size % pipeline_model_parallel_size:
+        raise ValueError(
+            f"pipeline_model_parallel_size = {pipeline_model_parallel_size} does not divide world_size = "
+            f"{world_size}: pass the run's PP size (a divisor of the world size)."
+        )
+    return (pipeline_model_parallel_size - 1) * (world_size // pipeline_model_parallel_size)
+
+
+def is_logging_rank() -> bool:
+    """Whether this process logs, from Megatron-Core's parallel state (rank 0 when torch.distributed
+    runs without it, True without torch.distributed)."""
+    if not torch.distributed.is_initialized():
+        return True
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return torch.distributed.get_rank() == 0
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def pearson_correlation(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of two 1-D tensors of equal length, computed in float64 (CISPO.md: the
+    training-engine vs rollout-engine token probabilities; M1 measured 0.987 before its fix).
+
+    A constant input (zero variance), or fewer than 2 values, gives NaN: the correlation is undefined
+    there (as in numpy and scipy), and 1.0 would hide a degenerate probability pipeline.
+    """
+    if x.dim() != 1 or y.dim() != 1 or x.shape != y.shape:
+        raise ValueError(
+            f"x and y must be 1-D tensors of the same length, got shapes {tuple(x.shape)} and "
+            f"{tuple(y.shape)}: pass the valid tokens' probabilities, flattened (e.g. probs[loss_mask])."
+        )
+    if x.numel() < 2:
+        return math.nan
+    x_centered = x.detach().double() - x.detach().double().mean()
+    y_centered = y.detach().double() - y.detach().double().mean()
+    denominator = x_centered.norm() * y_centered.norm()
+    if denominator == 0:
+        return math.nan
+    # Clamped: rounding can put a perfect correlation a hair outside [-1, 1].
+    return float(((x_centered * y_centered).sum() / denominator).clamp(-1.0, 1.0))
+
+
+def moe_load_balance(tokens_per_expert_by_layer: torch.Tensor | Sequence[torch.Tensor]) -> dict[str, float]:
+    """Expert load balance from the tokens each expert received, per MoE layer.
+
+    ``tokens_per_expert_by_layer``: [num_layers, num_experts] counts (or one 1-D tensor per layer),
+    summed over the step and over the ranks that share the layer (data and expert parallel).
+    Returns ``moe/load_max_over_mean_layer{i}`` (1.0: perfectly balanced; num_experts: all tokens
+    on one expert), their mean over layers ``moe/load_max_over_mean`` and the worst layer's value
+    ``moe/load_max_over_mean_max``. A layer that received no tokens has no defined balance: NaN,
+    and it is left out of the mean and max.
+    """
+    layers = list(tokens_per_expert_by_layer)
+    if not layers:
+        raise ValueError("tokens_per_expert_by_layer is empty: pass one row of expert token counts per MoE layer.")
+    metrics: dict[str, float] = {}
+    defined = []
+    for index, counts in enumerate(layers):
+        counts = torch.as_tensor(counts).detach().double()
+        if counts.dim() != 1 or counts.numel() == 0:
+            raise ValueError(
+                f"tokens_per_expert_by_layer[{index}] has shape {tuple(counts.shape)}: each layer needs a "
+                f"1-D tensor of per-expert token counts."
+            )
+        if (counts < 0).any():
+            raise ValueError(f"tokens_per_expert_by_layer[{index}] has negative counts: {counts.tolist()}")
+        mean = counts.mean()
+        ratio = float(counts.max() / mean) if mean > 0 else math.nan
+        metrics[f"moe/load_max_over_mean_layer{index}"] = ratio
+        if not math.isnan(ratio):
+            defined.append(ratio)
+    metrics["moe/load_max_over_mean"] = sum(defined) / len(defined) if defined else math.nan
+    metrics["moe/load_max_over_mean_max"] = max(defined) if defined else math.nan
+    return metrics
+
+
+class Timer:
+    """Wall-clock seconds per phase of a step: ``with timer("rollout"): ...``, then
+    ``timer.metrics()`` gives ``{"perf/time_rollout_s": ...}`` and starts the next step's count.
+    A phase entered several times in a step adds up."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if not _PHASE.fullmatch(phase):
+            raise ValueError(f"phase = {phase!r}: use lower-case letters, digits and underscores (e.g. 'old_logp').")
+        _synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize()
+            self._seconds[phase] += time.perf_counter() - start
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        values = {f"perf/time_{phase}_s": seconds for phase, seconds in self._seconds.items()}
+        if reset:
+            self._seconds.clear()
+        return values
+
+
+def _synchronize() -> None:
+    # GPU work is asynchronous: without a sync a phase would be charged for the previous one's kernels.
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# The logger
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_keys(metrics: Mapping[str, object]) -> None:
+    for key in metrics:
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(
+                f"metric key {key!r} is not namespaced: use 'group/name' with letters, digits, '_', '.', '-' "
+                f"(e.g. 'rollout/reward_mean', 'loss/clip_frac_high', 'perf/tokens_per_s')."
+            )
+
+
+def _as_float(key: str, value: float | int | torch.Tensor) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}: log scalars (reduce it first).")
+        return float(value.detach().float().item())
+    return float(value)
+
+
+def format_console_line(step: int, metrics: Mapping[str, float]) -> str:
+    """One line with the step's key numbers, e.g.
+    ``step 12 | loss 0.1234 | reward 0.512 | ... | time rollout 1.20s update 0.45s``."""
+    parts = [f"step {step}"]
+    parts += [f"{label} {metrics[key]:{spec}}" for key, label, spec in CONSOLE_FIELDS if key in metrics]
+    phases = [
+        f"{match.group(1)} {value:.2f}s"
+        for key, value in metrics.items()
+        if (match := _PHASE_KEY.fullmatch(key))
+    ]
+    if phases:
+        parts.append("time " + " ".join(phases))
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes a run's scalars on the logging rank (``enabled``); elsewhere every call does nothing.
+
+    ``MetricsLogger(run_dir, enabled=is_logging_rank())``; ``log(step, metrics)`` once per step;
+    ``close()`` at the end (or use it as a context manager).
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool, console: bool = True) -> None:
+        self.enabled = enabled
+        self.console = console
+        self.log_dir = Path(run_dir) / TENSORBOARD_DIR
+        self._writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, float | int | torch.Tensor],
+        consumed_samples: int | None = None,
+    ) -> None:
+        """Log one step's scalars (floats or one-element tensors) against ``step`` and, if given,
+        against ``consumed_samples``. Keys are checked on every rank, so a bad key fails everywhere."""
+        _check_keys(metrics)
+        if not self.enabled:
+            return
+        values = {key: _as_float(key, value) for key, value in metrics.items()}
+        for key, value in values.items():
+            self._writer.add_scalar(key, value, step)
+            if consumed_samples is not None:
+                self._writer.add_scalar(key + VS_SAMPLES_SUFFIX, value, consumed_samples)
+        # Once per step: TensorBoard sees progress at once and a crash loses nothing.
+        self._writer.flush()
+        if self.console:
+            print(format_console_line(step, values), flush=True)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a run's TensorBoard events, by key: [(step, value), ...] in logged order
+    (values as TensorBoard stores them: float32). For tests and tools."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = Path(run_dir) / TENSORBOARD_DIR
+    if not log_dir.is_dir():
+        raise ValueError(f"{log_dir} does not exist: pass the run_dir a MetricsLogger wrote to on its logging rank.")
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        key: [(event.step, event.value) for event in accumulator.Scalars(key)]
+        for key in accumulator.Tags()["scalars"]
+    }

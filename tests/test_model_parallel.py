@@ -1,0 +1,123 @@
+"""The tiny hybrid model under every parallel layout gives the single-process loss and gradients
+(same seed, data and weights: the reference saves a dist checkpoint that each layout loads), in
+real gloo processes, through Megatron's schedules, DDP and finalize_model_grads; fp32, 1e-5.
+
+Tensor parallelism is tested with sequence parallelism: Megatron-Core's MoELayer refuses to train
+with TP > 1 without it (moe_layer.py:379 raises ValueError). TP = 2 without sequence parallelism
+runs in inference, where tests/test_model_decoding.py checks it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacispo.parallel.multiprocess import run_distributed
+from megacispo.parallel.sharded import assemble
+
+SEQ_LEN = 32  # two lightning blocks of the tiny model
+GLOBAL_BATCH = 8
+NUM_MICROBATCHES = 4  # of the single-process reference; fewer per rank under data parallelism
+
+
+def _train_step(layout: dict, num_microbatches: int, load_dir: str | None = None, save_dir: str | None = None):
+    """One forward-backward of the tiny model over the fixed global batch, run in each rank."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megacispo.models.config import model_config, model_shape, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed, validate_layout, world_size_from_env
+    from megacispo.parallel.sharded import gradient_pieces, parameter_pieces
+
+    model_cfg = model_config("tiny")
+    parallel = ParallelConfig(**layout)
+    validate_layout(parallel, world_size_from_env(), model_shape(model_cfg))
+    init_distributed(parallel, seed=1234)
+    config = transformer_config(model_cfg, parallel)
+    model = HybridModel(
+        model_cfg, config,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if load_dir is not None:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), load_dir))
+    if save_dir is not None:
+        dist_checkpointing.save(model.sharded_state_dict(), save_dir)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    config.finalize_model_grads_func = finalize_model_grads
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    tokens = torch.randint(0, model_cfg.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(7))
+    local = tokens.chunk(dp_size)[dp_rank]
+    micro_batches = iter(local.chunk(num_microbatches))
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        # Cloned: the schedule divides the returned loss in place by the number of micro-batches.
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return model(batch[:, :-1], None, None, labels=batch[:, 1:]), loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=micro_batches, model=[model],
+        num_microbatches=num_microbatches, seq_length=SEQ_LEN, micro_batch_size=local.shape[0] // num_microbatches,
+    )
+    loss = torch.stack([item["lm loss"] for item in losses]).mean() if losses else None
+    return {
+        "loss": loss,
+        "last_stage": parallel_state.is_pipeline_last_stage(),
+        "grads": gradient_pieces(model.module),
+        "params": parameter_pieces(model.module),
+    }
+
+
+def _loss(results) -> torch.Tensor:
+    """The global-batch loss: the mean over data-parallel replicas of the last stage's losses."""
+    return torch.stack([r["loss"] for r in results if r["last_stage"]]).mean()
+
+
+def _assert_close(expected: dict, actual: dict, what: str, rtol: float = 1e-5) -> None:
+    assert expected.keys() == actual.keys(), f"{what}: keys differ: {sorted(expected.keys() ^ actual.keys())}"
+    for key in expected:
+        scale = expected[key].abs().max().clamp_min(1e-8)
+        error = (expected[key] - actual[key]).abs().max() / scale
+        assert error <= rtol, f"{what} {key}: relative error {error:.2e} > {rtol:.0e}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single-process run; its weights seed every layout."""
+    ckpt = tmp_path_factory.mktemp("ref_hybrid")
+    (result,) = run_distributed(_train_step, 1, {}, NUM_MICROBATCHES, save_dir=str(ckpt))
+    return result, str(ckpt)
+
+
+LAYOUTS = {
+    "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "pp2": {"pipeline_model_parallel_size": 2},
+    "ep2": {"expert_model_parallel_size": 2},
+}
+
+
+def test_reference_gradients_reach_every_parameter(reference):
+    expected, _ = reference
+    grads = assemble([expected["grads"]])
+    assert any(".self_attention.qkv_proj." in key for key in grads) and any(".q_proj." in key for key in grads)
+    silent = [key for key, grad in grads.items() if grad.abs().max() == 0 and not key.endswith("_extra_state")]
+    assert silent == []
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(reference, name):
+    expected, ckpt = reference
+    layout = LAYOUTS[name]
+    world_size = 2
+    dp_size = world_size // layout.get("tensor_model_parallel_size", 1) // layout.get("pipeline_model_parallel_size", 1)
+    results = run_distributed(_train_step, world_size, layout, NUM_MICROBATCHES // dp_size, load_dir=ckpt)
+    torch.testing.assert_close(_loss(results), expected["loss"], rtol=1e-5, atol=0)
+    _assert_close(assemble([expected["grads"]]), assemble([r["grads"] for r in results]), f"{name} grad")
+    _assert_close(assemble([expected["params"]]), assemble([r["params"] for r in results]), f"{name} param", rtol=0)
