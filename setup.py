@@ -29,6 +29,7 @@ setup(
     ],
     extras_require={
         "fp8": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "pytest-timeout", "transformers>=5.0", "safetensors"],
+        # triton: the lightning-attention kernel is tested on the CPU through Triton's interpreter.
+        "test": ["pytest", "pytest-timeout", "transformers>=5.0", "safetensors", "triton==3.9.0"],
     },
 )

@@ -139,6 +139,17 @@ def print_backward_table(args: argparse.Namespace) -> None:
     print(f"\n(q, k, v themselves: {qkv_mib:.1f} MiB)")
 
 
+def print_block_size_table(args: argparse.Namespace) -> None:
+    sizes = args.sweep_block_sizes
+    print("lightning forward + backward ms by block size\n")
+    print("| length | " + " | ".join(f"B = {size}" for size in sizes) + " |")
+    print("|---:|" + "---:|" * len(sizes))
+    for seq_len in args.lengths:
+        steps = [lightning_step(seq_len, args.heads, args.head_dim, size) for size in sizes]
+        times = [best_ms(step, args.repeats, args.clock) for step in steps]
+        print(f"| {seq_len} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
@@ -155,6 +166,9 @@ def main() -> None:
     )
     parser.add_argument("--memory-length", type=int, default=4096, help="length for the Function vs autograd table")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for this run")
+    parser.add_argument(
+        "--sweep-block-sizes", type=int, nargs="*", default=[], help="only time lightning at these block sizes"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -163,12 +177,15 @@ def main() -> None:
     print(
         f"batch 1, {args.heads} heads, head_dim {args.head_dim}, fp32, forward + backward, "
         f"lightning block_size {args.block_size} (chunks of {lightning.CHUNK_TOKENS} tokens), "
-        f"{args.clock} clock, best of {args.repeats} (softmax {args.softmax_repeats}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{os.cpu_count()} CPUs, load average at start {load}\n"
+        f"{args.clock} clock, best of {args.repeats} (softmax {args.softmax_repeats}), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average at start {load}\n"
     )
     # Warm up both kernels (first-call allocations, thread pool start-up).
     lightning_step(512, args.heads, args.head_dim, args.block_size)()
     softmax_step(512, args.heads, args.head_dim)()
+    if args.sweep_block_sizes:
+        print_block_size_table(args)
+        return
     print_speed_table(args)
     print_backward_table(args)
 

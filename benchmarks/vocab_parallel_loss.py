@@ -4,14 +4,18 @@
   gathered) behind ``lm_head_input`` (mcore's copy_to_tensor_model_parallel_region);
 - naive: mcore ColumnParallelLinear's forward (copy_to + linear) for the [tokens, V/TP] logits,
   all-gather of the vocabulary (gather_from_tensor_model_parallel_region), log_softmax over
-  [tokens, V], gather of the targets.
+  [tokens, V], gather of the targets;
+- unfused (for reference): the same [tokens, V/TP] logits into ``vocab_parallel_logprobs``, which
+  does not gather the vocabulary but holds the whole logits shard.
 
 Both feed ``compute_policy_loss("cispo", ...)`` and backpropagate to the hidden states and the
-weight shard. Each method runs in a fresh pair of processes (``run_distributed``), so its peak
-memory is its own: peak = ru_maxrss (the process's high-water resident set, which counts every
-page the work touched, whatever allocator returned it) after the steps minus ru_maxrss once the
-inputs exist. That difference is what the method adds on top of the weights, hidden states and
-process start-up; the table reports the larger of the two ranks. Time is the median step.
+weight shard. Each method runs in a fresh pair of processes (``run_distributed``). Peak memory is
+what the method adds on top of its inputs (weights, hidden states) and process start-up: once the
+inputs exist, the kernel's high-water mark of the resident set is reset (Linux: "5" into
+/proc/self/clear_refs), and the peak is VmHWM after the steps minus VmRSS at the reset. The
+resident set counts every page the work touched, whichever allocator handed it out and gave it
+back. The table reports the larger of the two ranks. Step time is the median of the timed steps,
+as wall-clock and as CPU time of the rank's process (less sensitive to other jobs on the machine).
 
 The naive path holds several fp32 [tokens, V] tensors per rank; if they would not fit in the
 machine's available memory, the comparison runs at the largest halved length that does.
@@ -23,17 +27,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 
 from megacispo.losses import compute_policy_loss
 from megacispo.parallel.multiprocess import run_distributed
-from megacispo.parallel.vocab_parallel import default_chunk_size, lm_head_input, lm_head_logprobs, vocab_shard_range
+from megacispo.parallel.vocab_parallel import (
+    default_chunk_size,
+    lm_head_input,
+    lm_head_logprobs,
+    vocab_parallel_logprobs,
+    vocab_shard_range,
+)
 
 TP = 2
 # fp32 [tokens, V] tensors alive at once per rank at the naive path's peak (the backward of
@@ -42,24 +52,40 @@ NAIVE_FULL_VOCAB_COPIES = 3.5
 MEMORY_HEADROOM = 0.6  # use at most this share of the available memory: other jobs share the machine
 
 
-def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_tensor_model_parallel_region,
-    )
-
-    local_logits = F.linear(copy_to_tensor_model_parallel_region(hidden, group=group), weight)  # [tokens, V/TP]
-    logits = gather_from_tensor_model_parallel_region(local_logits, group=group)  # [tokens, V]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+def column_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """mcore ColumnParallelLinear's forward without bias: [tokens, H] -> [tokens, V/TP]."""
+    return F.linear(lm_head_input(hidden, group), weight)
 
 
-def fused_logprobs(hidden, weight, targets, group, chunk_size: int | None) -> torch.Tensor:
+def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    logits = gather_from_tensor_model_parallel_region(column_parallel_logits(hidden, weight, group), group=group)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # logits: [tokens, V]
+
+
+def unfused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return vocab_parallel_logprobs(column_parallel_logits(hidden, weight, group), targets, group)
+
+
+def fused_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup, chunk_size: int | None
+) -> torch.Tensor:
     logprobs, _ = lm_head_logprobs(lm_head_input(hidden, group), weight, targets, group, chunk_size)
     return logprobs
 
 
-def max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+def _proc_status_mib(field: str) -> float:
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields[field].split()[0]) / 1024  # kB
+
+
+def reset_peak_rss() -> float:
+    """Reset this process's resident-set high-water mark; return the resident set now, MiB."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return _proc_status_mib("VmRSS")
 
 
 def measure(method: str, tokens: int, vocab: int, hidden_size: int, chunk_size: int | None, repeats: int) -> dict:
@@ -77,13 +103,14 @@ def measure(method: str, tokens: int, vocab: int, hidden_size: int, chunk_size: 
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
     # Only this rank's shard is ever materialized, so the baseline high-water mark is the inputs.
     shard_gen = torch.Generator().manual_seed(1 + tp_rank)
-    weight = (torch.randn(end - start, hidden_size, generator=shard_gen) / hidden_size**0.5).requires_grad_(True)
+    weight = torch.randn(end - start, hidden_size, generator=shard_gen).div_(hidden_size**0.5).requires_grad_(True)
     old_logprobs = -10 - torch.rand(1, tokens, generator=gen)
     advantages = torch.randn(1, generator=gen)
     loss_mask = torch.ones(1, tokens)
     step_logprobs: Callable[[], torch.Tensor] = {
         "fused": lambda: fused_logprobs(hidden, weight, targets, group, chunk_size),
         "naive": lambda: naive_logprobs(hidden, weight, targets, group),
+        "unfused": lambda: unfused_logprobs(hidden, weight, targets, group),
     }[method]
 
     def step() -> torch.Tensor:
@@ -92,16 +119,18 @@ def measure(method: str, tokens: int, vocab: int, hidden_size: int, chunk_size: 
         loss.backward()
         return loss.detach()
 
-    baseline_mib = max_rss_mib()
+    baseline_mib = reset_peak_rss()
     loss = step()
-    times = []
+    wall_s, cpu_s = [], []
     for _ in range(repeats):
-        begin = time.perf_counter()
+        wall_begin, cpu_begin = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - begin)
+        wall_s.append(time.perf_counter() - wall_begin)
+        cpu_s.append(time.process_time() - cpu_begin)
     return {
-        "peak_mib": max_rss_mib() - baseline_mib,
-        "step_s": statistics.median(times),
+        "peak_mib": _proc_status_mib("VmHWM") - baseline_mib,
+        "step_s": statistics.median(wall_s),
+        "cpu_s": statistics.median(cpu_s),
         "loss": loss.item(),
         "grad_norm": torch.cat([hidden.grad.flatten(), weight.grad.flatten()]).norm().item(),
     }
@@ -143,19 +172,20 @@ def main() -> None:
         method: run_distributed(
             measure, TP, method, tokens, args.vocab, args.hidden, args.chunk_size, args.repeats, timeout_s=3600
         )
-        for method in ("naive", "fused")
+        for method in ("naive", "unfused", "fused")
     }
-    naive_peak = max(rank["peak_mib"] for rank in results["naive"])
-    naive_time = max(rank["step_s"] for rank in results["naive"])
-    print("| method | peak memory per rank (MiB) | vs naive | step time (s) | vs naive | loss | grad norm |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    naive = {key: max(rank[key] for rank in results["naive"]) for key in ("peak_mib", "step_s", "cpu_s")}
+    print(
+        "| method | peak memory per rank (MiB) | vs naive | step wall (s) | vs naive | step CPU (s) | vs naive "
+        "| loss | grad norm |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method, ranks in results.items():
-        peak = max(rank["peak_mib"] for rank in ranks)
-        step_s = max(rank["step_s"] for rank in ranks)
-        print(
-            f"| {method} | {peak:.0f} | {peak / naive_peak:.2f}x | {step_s:.2f} | {step_s / naive_time:.2f}x "
-            f"| {ranks[0]['loss']:.6f} | {ranks[0]['grad_norm']:.6f} |"
-        )
+        cells = []
+        for key, digits in (("peak_mib", 0), ("step_s", 2), ("cpu_s", 2)):
+            value = max(rank[key] for rank in ranks)
+            cells.append(f"{value:.{digits}f} | {value / naive[key]:.2f}x")
+        print(f"| {method} | {' | '.join(cells)} | {ranks[0]['loss']:.6f} | {ranks[0]['grad_norm']:.6f} |")
 
 
 if __name__ == "__main__":

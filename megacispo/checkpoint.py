@@ -288,6 +288,9 @@ def save_checkpoint(
         "extra_state": extra_state,
         "config": config_dict,
     }
+    # Built before anything is written: it checks the model, and the distributed optimizer
+    # gathers its state here (a collective on every rank).
+    sharded_state = _sharded_state_dict(model, optimizer, is_loading=False)
     root = Path(root)
     final = checkpoint_dir(root, step)
     temporary = root / f"{TEMP_PREFIX}{final.name}"
@@ -301,7 +304,7 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     # Into an empty directory: Megatron warns about overwriting a corrupted checkpoint otherwise.
-    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(temporary))
+    dist_checkpointing.save(sharded_state, str(temporary))
     (temporary / RNG_DIR).mkdir(exist_ok=True)
     torch.save(_capture_rng(), _rng_file(temporary, rank))
     _barrier()
@@ -410,7 +413,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def _check_files(path: Path, meta: dict[str, Any], restore_rng: bool) -> None:
+def _check_files(path: Path, restore_rng: bool) -> None:
     from megatron.core import dist_checkpointing
 
     if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
@@ -435,12 +438,13 @@ def load_checkpoint(
     Any parallel layout loads any checkpoint. The RNG states are restored only where the world size
     and layout equal the saved ones (a different layout gives every rank a different role); otherwise
     a warning says they were skipped. Returns meta.json's content: ``step``, ``extra_state``,
-    ``config``, ``parallel``, ``world_size``.
+    ``config``, ``parallel``, ``world_size`` (as JSON reads them back: tuples become lists, dict
+    keys strings).
     """
     path = Path(path)
     meta = read_meta(path)
     same_layout = meta["world_size"] == _world_size() and meta["parallel"] == parallel_layout()
-    _check_files(path, meta, restore_rng=load_rng and same_layout)
+    _check_files(path, restore_rng=load_rng and same_layout)
     if optimizer is not None and not meta["has_optimizer"]:
         raise ValueError(f"{path} holds no optimizer state (saved without one): load it with optimizer=None.")
     if scheduler is not None and meta["scheduler"] is None:

@@ -185,7 +185,9 @@ def _check_keys(metrics: Mapping[str, object]) -> None:
 def _as_float(key: str, value: float | int | torch.Tensor) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}: log scalars (reduce it first).")
+            raise ValueError(
+                f"metric {key!r} is a tensor of shape {tuple(value.shape)}: log scalars (reduce it first)."
+            )
         return float(value.detach().float().item())
     return float(value)
 

@@ -1,7 +1,7 @@
 """Verifiable arithmetic tasks for the quick start: prompt "12+7=", answer "19".
 
 Difficulty knobs: ``digits`` (operands are drawn from 0 .. 10**digits - 1) and ``num_operands``.
-Two-digit addition is the quick start's default: a 8-layer, hidden-64 model fed a short SFT warm
+Two-digit addition is the quick start's default: an 8-layer, hidden-64 model fed a short SFT warm
 start gets some sums right and many carries wrong, which leaves RL room to improve.
 
 Problems are drawn without replacement from the task's whole problem space by index, so the

@@ -21,7 +21,7 @@ from megacispo.config import Config, to_dict
 from megacispo.data import PromptRecord, PromptSampler, encode_prompt
 from megacispo.engine import Engine
 from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
-from megacispo.metrics import MetricsLogger, Timer, pearson_correlation
+from megacispo.metrics import MetricsLogger, Timer, moe_load_balance, pearson_correlation
 from megacispo.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megacispo.rewards import get_reward_fn, score_responses
 from megacispo.rollout import Samples, generate, response_token_ids
@@ -59,6 +59,34 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return vocab_parallel_logprobs(logits, tokens[:, 1:], tp_group)
 
 
+class ExpertLoadTracker:
+    """Counts the tokens each expert of every MoE layer is routed during training passes.
+
+    A forward hook on each layer's router reads its routing map [tokens, experts]; ``collect`` sums
+    the counts over all ranks (each rank holds its own tokens: data-parallel shards, and
+    sequence-parallel shards under TP; its pipeline stage's layers only) and resets them.
+    """
+
+    def __init__(self, model, num_layers: int, num_experts: int):
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        for layer in model.decoder.layers:
+            layer.mlp.router.register_forward_hook(self._hook(layer.layer_number - 1))
+
+    def _hook(self, layer_index: int):
+        def count(module, inputs, outputs):
+            if torch.is_grad_enabled():  # the update passes, not old-logprob or rollout passes
+                _, routing_map = outputs
+                self.counts[layer_index] += routing_map.sum(dim=0).double()
+
+        return count
+
+    def collect(self) -> dict[str, float]:
+        counts = self.counts.clone()
+        dist.all_reduce(counts)
+        self.counts.zero_()
+        return moe_load_balance(counts)
+
+
 class Trainer:
     """Runs the RL steps of ``config`` on this rank."""
 
@@ -73,6 +101,7 @@ class Trainer:
         self.sampler = PromptSampler(train_records, seed=config.train.seed)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.expert_load = ExpertLoadTracker(engine.module, config.model.num_layers, config.model.num_experts)
         self.step = 0
         self.num_skipped_updates = 0
         self.consumed_samples = 0
@@ -108,10 +137,11 @@ class Trainer:
         with timer("old_logprobs"):
             batch.old_logprobs = self.compute_old_logprobs(batch)
         mask = batch.loss_mask.bool()
-        rollout_metrics["rollout/train_rollout_prob_corr"] = pearson_correlation(
-            batch.rollout_logprobs[mask].exp(), batch.old_logprobs[mask].exp())
+        rollout_probs, train_probs = self._gather_over_dp(batch.rollout_logprobs[mask].exp(), batch.old_logprobs[mask].exp())
+        rollout_metrics["rollout/train_rollout_prob_corr"] = pearson_correlation(rollout_probs, train_probs)
         with timer("update"):
             update_metrics = self.update(batch)
+        update_metrics.update(self.expert_load.collect())
         timings = timer.metrics()
         num_tokens = self._all_reduce_sum(float(batch.loss_mask.sum()))
         timings["perf/tokens_per_s"] = num_tokens / sum(timings.values())
@@ -349,6 +379,12 @@ class Trainer:
         self._stop_requested = True
 
     # -- collectives ----------------------------------------------------------------------------
+
+    def _gather_over_dp(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor concatenated over the data-parallel ranks (1-D, any length per rank)."""
+        gathered: list = [None] * self.dp_size
+        dist.all_gather_object(gathered, tensors, group=self.engine.dp_group)
+        return [torch.cat(parts) for parts in zip(*gathered)]
 
     def _all_reduce_sum(self, value: float) -> float:
         tensor = torch.tensor(value, dtype=torch.float64)

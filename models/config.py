@@ -87,7 +87,9 @@ class HybridModelConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} = {getattr(self, name)!r}: it must be positive.")
         if self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"model.moe_aux_loss_coeff = {self.moe_aux_loss_coeff!r}: it must be >= 0 (0 turns it off).")
+            raise ValueError(
+                f"model.moe_aux_loss_coeff = {self.moe_aux_loss_coeff!r}: it must be >= 0 (0 turns it off)."
+            )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"model.num_query_groups = {self.num_query_groups} does not divide num_attention_heads = "
@@ -208,7 +210,8 @@ def parameter_counts(config: HybridModelConfig) -> tuple[int, int]:
     parts = parameter_breakdown(config)
     total = sum(parts.values())
     inactive_experts = config.num_layers * (config.num_experts - config.moe_router_topk)
-    activated = total - parts["embedding"] - parts["lm_head"] - inactive_experts * 3 * config.hidden_size * config.moe_ffn_hidden_size
+    inactive = inactive_experts * 3 * config.hidden_size * config.moe_ffn_hidden_size
+    activated = total - parts["embedding"] - parts["lm_head"] - inactive
     return total, activated
 
 

@@ -10,6 +10,11 @@ scaled post-norm (the residual carries the normalized input):
 The MoE is Megatron-Core's MoELayer, taken from Megatron's own local GPT layer spec: a TopKRouter
 (softmax over the top-k logits in fp32 = softmax, top-k, renormalize) and SequentialMLP experts
 whose linear_fc1 is [W1; W3] (gate; up) with SwiGLU and linear_fc2 = W2.
+
+Its load-balancing loss is Megatron's per-layer Switch loss, summed over layers:
+coeff * E / (k T^2) * sum_e count_e * sum_t p_te. HF's load_balancing_loss_func (used when
+output_router_logits is set) instead averages the counts and the probabilities over all layers
+before the product and has no 1/k; the two differ in scale and form. It only shapes training.
 """
 
 from __future__ import annotations
@@ -107,37 +112,37 @@ def moe_spec(num_experts: int) -> ModuleSpec:
     return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp
 
 
-def mixer_spec(model: HybridModelConfig, kind: str) -> ModuleSpec:
+def mixer_spec(hybrid_config: HybridModelConfig, kind: str) -> ModuleSpec:
     """The mixer of a layer kind: 'L' lightning attention, 'S' softmax attention."""
     if kind == LIGHTNING:
         return ModuleSpec(
             module=LightningMixer,
-            params={"block_size": model.lightning_block_size, "norm_eps": model.lightning_norm_eps},
+            params={"block_size": hybrid_config.lightning_block_size, "norm_eps": hybrid_config.lightning_norm_eps},
             submodules=LightningMixerSubmodules(),
         )
     return ModuleSpec(module=SoftmaxAttention, submodules=SoftmaxAttentionSubmodules())
 
 
-def layer_spec(model: HybridModelConfig, layer_idx: int) -> ModuleSpec:
+def layer_spec(hybrid_config: HybridModelConfig, layer_idx: int) -> ModuleSpec:
     """The spec of global layer ``layer_idx`` (0-based): the pattern picks its mixer and residual factors."""
-    mixer_alpha, mixer_beta, mlp_alpha, mlp_beta = model.residual_factors(layer_idx)
+    mixer_alpha, mixer_beta, mlp_alpha, mlp_beta = hybrid_config.residual_factors(layer_idx)
     return ModuleSpec(
         module=HybridDecoderLayer,
         params={"mixer_alpha": mixer_alpha, "mixer_beta": mixer_beta, "mlp_alpha": mlp_alpha, "mlp_beta": mlp_beta},
         submodules=HybridLayerSubmodules(
-            self_attention=mixer_spec(model, model.layer_kind(layer_idx)),
-            mlp=moe_spec(model.num_experts),
+            self_attention=mixer_spec(hybrid_config, hybrid_config.layer_kind(layer_idx)),
+            mlp=moe_spec(hybrid_config.num_experts),
         ),
     )
 
 
 def block_spec(
-    model: HybridModelConfig, config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
+    hybrid_config: HybridModelConfig, config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
 ) -> TransformerBlockSubmodules:
     """The layers of one pipeline stage (Megatron's split: consecutive layers) and the final norm."""
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(model, offset + i) for i in range(num_layers)],
+        layer_specs=[layer_spec(hybrid_config, offset + i) for i in range(num_layers)],
         layer_norm=RMSNorm,
     )

@@ -89,7 +89,8 @@ class TensorMapping:
     def from_hf(self, hf_tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         missing = [name for name in self.hf_names if name not in hf_tensors]
         if missing:
-            raise ValueError(f"HF tensors for {self.key} are missing: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+            more = " ..." if len(missing) > 4 else ""
+            raise ValueError(f"HF tensors for {self.key} are missing: {missing[:4]}{more}")
         return self.merge(tuple(hf_tensors[name] for name in self.hf_names))
 
 
@@ -118,21 +119,21 @@ def _legacy_fc2(key: str, hf_prefix: str, num_experts: int) -> TensorMapping:
     return TensorMapping(key, names, split=lambda t: tuple(t.unbind(0)), merge=lambda ts: torch.stack(ts))
 
 
-def tensor_mappings(model: HybridModelConfig, experts_layout: str = LEGACY) -> list[TensorMapping]:
+def tensor_mappings(config: HybridModelConfig, experts_layout: str = LEGACY) -> list[TensorMapping]:
     """Every tensor of the model with its HF name(s), layer by layer (a streaming converter can
     take them one at a time)."""
     if experts_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"experts_layout = {experts_layout!r}: choose one of {EXPERT_LAYOUTS}.")
     mappings = [_rename(key, name) for key, name in GLOBAL_NAMES.items()]
-    for layer in range(model.num_layers):
+    for layer in range(config.num_layers):
         ours, theirs = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-        names = {**LAYER_NAMES, **MIXER_NAMES[model.layer_kind(layer)], ROUTER_KEY: ROUTER_NAMES[experts_layout]}
+        names = {**LAYER_NAMES, **MIXER_NAMES[config.layer_kind(layer)], ROUTER_KEY: ROUTER_NAMES[experts_layout]}
         mappings += [_rename(ours + suffix, theirs + name) for suffix, name in names.items()]
         if experts_layout == FUSED:
             mappings += [_rename(ours + key, theirs + name) for key, name in FUSED_EXPERT_NAMES.items()]
         else:
-            mappings.append(_legacy_fc1(ours + EXPERT_FC1_KEY, theirs, model.num_experts))
-            mappings.append(_legacy_fc2(ours + EXPERT_FC2_KEY, theirs, model.num_experts))
+            mappings.append(_legacy_fc1(ours + EXPERT_FC1_KEY, theirs, config.num_experts))
+            mappings.append(_legacy_fc2(ours + EXPERT_FC2_KEY, theirs, config.num_experts))
     return mappings
 
 
@@ -145,20 +146,22 @@ def detect_experts_layout(hf_names: Any) -> str:
     raise ValueError("no MoE experts found among the HF tensor names: expected block_sparse_moe.* or mlp.experts.*.")
 
 
-def full_to_hf(tensors: Mapping[str, torch.Tensor], model: HybridModelConfig, experts_layout: str = LEGACY) -> dict[str, torch.Tensor]:
+def full_to_hf(
+    tensors: Mapping[str, torch.Tensor], config: HybridModelConfig, experts_layout: str = LEGACY
+) -> dict[str, torch.Tensor]:
     """Our full tensors (checkpoint keys) -> HF tensors."""
     hf_tensors = {}
-    for mapping in tensor_mappings(model, experts_layout):
+    for mapping in tensor_mappings(config, experts_layout):
         if mapping.key not in tensors:
             raise ValueError(f"tensor {mapping.key} is missing from the model's tensors.")
         hf_tensors.update(mapping.to_hf(tensors[mapping.key]))
     return hf_tensors
 
 
-def hf_to_full(hf_tensors: Mapping[str, torch.Tensor], model: HybridModelConfig) -> dict[str, torch.Tensor]:
+def hf_to_full(hf_tensors: Mapping[str, torch.Tensor], config: HybridModelConfig) -> dict[str, torch.Tensor]:
     """HF tensors (either experts layout; derived decay buffers ignored) -> our full tensors."""
     layout = detect_experts_layout(hf_tensors.keys())
-    return {mapping.key: mapping.from_hf(hf_tensors) for mapping in tensor_mappings(model, layout)}
+    return {mapping.key: mapping.from_hf(hf_tensors) for mapping in tensor_mappings(config, layout)}
 
 
 def full_to_single_process(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -201,14 +204,20 @@ def config_from_hf(hf_config: Any, *, rotary_dim: int | None = None) -> HybridMo
     rotary_dim: the rotated channels per head; default the config's own ``rotary_dim`` if it has
     one (original MiniMax configs and ours), else head_dim, which is what HF transformers computes.
     """
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda name, default=None: getattr(hf_config, name, default)
+    if isinstance(hf_config, Mapping):
+        get = hf_config.get
+    else:
+        def get(name: str, default: Any = None) -> Any:
+            return getattr(hf_config, name, default)
     if get("tie_word_embeddings", False):
         raise ValueError("HF config has tie_word_embeddings = true: this model has an untied LM head.")
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     head_dim = get("head_dim") or hidden // heads
     rope = get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"HF rope_parameters.rope_type = {rope['rope_type']!r}: only plain RoPE ('default') is supported.")
+        raise ValueError(
+            f"HF rope_parameters.rope_type = {rope['rope_type']!r}: only plain RoPE ('default') is supported."
+        )
     rotary_base = rope.get("rope_theta", get("rope_theta"))
     if rotary_base is None:
         raise ValueError("HF config has no rope_parameters.rope_theta (nor rope_theta): the RoPE base is needed.")
@@ -239,35 +248,35 @@ def config_from_hf(hf_config: Any, *, rotary_dim: int | None = None) -> HybridMo
     )
 
 
-def config_to_hf(model: HybridModelConfig) -> dict[str, Any]:
+def config_to_hf(config: HybridModelConfig) -> dict[str, Any]:
     """Keyword arguments of transformers' MiniMaxConfig (also a config.json body) for our config.
 
     HF ignores ``rotary_dim`` and rotates whole heads: a model with rotary_dim < head_dim runs
     differently in HF transformers (see the module docstring); the field preserves the width.
     """
     return {
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.moe_ffn_hidden_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_query_groups,
-        "head_dim": model.head_dim,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.moe_ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": model.max_position_embeddings,
-        "rms_norm_eps": model.norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": False,
-        "num_experts_per_tok": model.moe_router_topk,
-        "num_local_experts": model.num_experts,
-        "router_aux_loss_coef": model.moe_aux_loss_coeff,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base},
-        "rotary_dim": model.rotary_dim,
-        "layer_types": [HF_LAYER_TYPES[kind] for kind in model.layer_kinds],
-        "block_size": model.lightning_block_size,
-        "linear_attn_alpha_factor": model.linear_attn_alpha_factor,
-        "linear_attn_beta_factor": model.linear_attn_beta_factor,
-        "full_attn_alpha_factor": model.full_attn_alpha_factor,
-        "full_attn_beta_factor": model.full_attn_beta_factor,
-        "mlp_alpha_factor": model.mlp_alpha_factor,
-        "mlp_beta_factor": model.mlp_beta_factor,
+        "num_experts_per_tok": config.moe_router_topk,
+        "num_local_experts": config.num_experts,
+        "router_aux_loss_coef": config.moe_aux_loss_coeff,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base},
+        "rotary_dim": config.rotary_dim,
+        "layer_types": [HF_LAYER_TYPES[kind] for kind in config.layer_kinds],
+        "block_size": config.lightning_block_size,
+        "linear_attn_alpha_factor": config.linear_attn_alpha_factor,
+        "linear_attn_beta_factor": config.linear_attn_beta_factor,
+        "full_attn_alpha_factor": config.full_attn_alpha_factor,
+        "full_attn_beta_factor": config.full_attn_beta_factor,
+        "mlp_alpha_factor": config.mlp_alpha_factor,
+        "mlp_beta_factor": config.mlp_beta_factor,
     }

@@ -14,6 +14,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import divide
 
 
 def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class TensorParallelRMSNorm(torch.nn.Module):
         self.tp_group = tp_group
         self.tp_size = tp_group.size()
         self.hidden_size = hidden_size
-        local_size = tensor_parallel.utils.divide(hidden_size, self.tp_size)
+        local_size = divide(hidden_size, self.tp_size)
         self.weight = torch.nn.Parameter(torch.ones(local_size, dtype=config.params_dtype))
         tensor_parallel.set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
@@ -101,7 +102,7 @@ def local_column_parallel_linear(config: TransformerConfig, input_size: int, out
         gather_output=False, disable_grad_reduce=True, tp_group=tp_group,
     )
     # With disable_grad_reduce the layer skips the copy and the gradient all-reduce; this also
-    # skips its own sequence-parallel all-gather (layers.py:1006 passes sequence_parallel on).
+    # skips its own sequence-parallel all-gather (tensor_parallel/layers.py:1028 passes the flag on).
     linear.sequence_parallel = False
     return linear
 
@@ -177,9 +178,10 @@ class InferenceCache:
     lightning_states: dict[int, torch.Tensor] = field(default_factory=dict)
     """Global layer index -> [b, heads, d, d] fp32 state of a lightning layer."""
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Global layer index -> [b, kv heads, T, d] rotated keys of a softmax layer."""
+    """Global layer index -> [b, kv heads, capacity, d] buffer whose first T positions hold the
+    rotated keys of a softmax layer (the capacity doubles when full: amortized O(1) appends)."""
     values: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Global layer index -> [b, kv heads, T, d] values of a softmax layer."""
+    """Global layer index -> [b, kv heads, capacity, d], the values, like keys."""
 
     @property
     def batch_size(self) -> int:
@@ -188,6 +190,23 @@ class InferenceCache:
     @property
     def length(self) -> int:
         return self.valid_mask.shape[1]
+
+    def extend_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a softmax layer's keys and values of the s newest positions ([b, kv heads, s, d],
+        valid_mask already covers them); return all T so far, [b, kv heads, T, d] views."""
+        total = self.length
+        start = total - keys.shape[2]
+        if layer_idx not in self.keys or self.keys[layer_idx].shape[2] < total:
+            capacity = total if layer_idx not in self.keys else max(total, 2 * self.keys[layer_idx].shape[2])
+            for store in (self.keys, self.values):
+                old = store.get(layer_idx)
+                grown = keys.new_empty(keys.shape[0], keys.shape[1], capacity, keys.shape[3])
+                if old is not None:
+                    grown[:, :, :start] = old[:, :, :start]
+                store[layer_idx] = grown
+        self.keys[layer_idx][:, :, start:total] = keys
+        self.values[layer_idx][:, :, start:total] = values
+        return self.keys[layer_idx][:, :, :total], self.values[layer_idx][:, :, :total]
 
     def select(self, indices: torch.Tensor) -> InferenceCache:
         """The cache of a subset (or a reordering) of the sequences, e.g. to drop finished ones."""

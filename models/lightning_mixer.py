@@ -71,7 +71,9 @@ class LightningMixer(MegatronModule):
 
         self.qkv_proj = submodules.qkv_proj(config, config.hidden_size, 3 * width, self.tp_group)
         self.output_gate = submodules.output_gate(config, config.hidden_size, width, self.tp_group)
-        self.norm = build_module(submodules.norm, config=config, hidden_size=width, eps=norm_eps, tp_group=self.tp_group)
+        self.norm = build_module(
+            submodules.norm, config=config, hidden_size=width, eps=norm_eps, tp_group=self.tp_group
+        )
         self.out_proj = submodules.out_proj(config, width, config.hidden_size, self.tp_group)
 
         # Derived from the layer index, not learned: kept out of the state dict and out of dtype casts.
@@ -79,8 +81,10 @@ class LightningMixer(MegatronModule):
         self._decay = all_rates[tp_rank * self.num_local_heads : (tp_rank + 1) * self.num_local_heads].clone()
 
     def decay_rates(self, device: torch.device) -> torch.Tensor:
-        """s_h [local heads] fp32 of this rank's heads."""
-        return self._decay.to(device)
+        """s_h [local heads] fp32 of this rank's heads (moved to the device once)."""
+        if self._decay.device != device:
+            self._decay = self._decay.to(device)
+        return self._decay
 
     def forward(
         self,

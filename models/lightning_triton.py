@@ -24,9 +24,9 @@ Two kernels do all the work:
   one, so the same kernel also gives grad q, grad k and grad v (see _LightningTritonFunction).
 
 Backward recomputes the per-block states rather than saving them: they are [blocks, h, d, d] fp32,
-more than q, k and v together at B = 64, d = 128. All products accumulate in fp32; fp32 inputs use
-IEEE fp32 dot products (no TF32), bf16 inputs bf16 ones with the fp32 scores and states rounded to
-bf16 for the second product, as flash-attention kernels do.
+more than q, k and v together at B = 64, d = 128. All products accumulate in fp32 (see _dot); with
+bf16 inputs the fp32 scores and states are rounded to bf16 for the second product, as
+flash-attention kernels do.
 
 Packed sequences (cu_seqlens) run natively: the kernels read document offsets from tables, and a
 batch of b equal-length rows is the packed case with b documents of length n.
@@ -62,11 +62,15 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 # tl.dot needs every dimension >= 16 on the GPU.
 _MAX_TILE = 64
 _MIN_DOT_DIM = 16
+# 8 warps keep the d = 128 bf16 kernels within 255 registers per thread on sm_90 (4 spill).
+_NUM_WARPS = 8
 
 
 @_jit
 def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b accumulated in fp32 (IEEE for fp32 operands: TF32 would miss the 1e-4 parity).
+    """a @ b accumulated in fp32. bf16 operands use bf16 tensor cores; fp32 operands use three TF32
+    products (tf32x3, about fp32 accuracy): plain TF32 would miss the 1e-4 parity with the fp32
+    reference, and IEEE fp32 falls back to FMA loops that spill heavily.
 
     UPCAST is for Triton's interpreter, which cannot multiply bf16 (it holds the bits as uint16): the
     same bf16-rounded operands go in as fp32, whose products are exact, as on bf16 tensor cores.
@@ -125,7 +129,9 @@ def _state_scan_kernel(
     if HAS_INITIAL:
         state = tl.load(initial_ptr + doc.to(tl.int64) * state_stride + tile_offsets, mask=tile_mask, other=0.0)
     else:
-        state = tl.zeros([TILE_X, TILE_Y], dtype=tl.float32)
+        # tl.full, not tl.zeros: library @triton.jit helpers such as tl.zeros only run in the
+        # interpreter if TRITON_INTERPRET was set before triton itself was imported.
+        state = tl.full([TILE_X, TILE_Y], 0.0, tl.float32)
 
     for step in range(num_blocks):
         if REVERSE:
@@ -134,12 +140,15 @@ def _state_scan_kernel(
             block = step
         start = doc_start + block * BLOCK
         length = tl.minimum(doc_end - start, BLOCK)  # L
-        tl.store(block_states_ptr + (first_block + block).to(tl.int64) * state_stride + tile_offsets, state, mask=tile_mask)
+        block_state_offsets = (first_block + block).to(tl.int64) * state_stride + tile_offsets
+        tl.store(block_states_ptr + block_state_offsets, state, mask=tile_mask)
 
         row_mask = rows < length
         token_offsets = (start + rows).to(tl.int64)[:, None] * token_stride + head * head_dim
-        x = tl.load(x_ptr + token_offsets + x_cols[None, :], mask=row_mask[:, None] & (x_cols[None, :] < head_dim), other=0.0)
-        y = tl.load(y_ptr + token_offsets + y_cols[None, :], mask=row_mask[:, None] & (y_cols[None, :] < head_dim), other=0.0)
+        x_mask = row_mask[:, None] & (x_cols[None, :] < head_dim)
+        y_mask = row_mask[:, None] & (y_cols[None, :] < head_dim)
+        x = tl.load(x_ptr + token_offsets + x_cols[None, :], mask=x_mask, other=0.0)  # [B, TILE_X]
+        y = tl.load(y_ptr + token_offsets + y_cols[None, :], mask=y_mask, other=0.0)  # [B, TILE_Y]
         if REVERSE:
             row_decay = tl.exp(-rate * (rows + 1).to(tl.float32))
         else:
@@ -197,7 +206,8 @@ def _block_output_kernel(
     feature_mask = row_mask[:, None] & (dims[None, :] < head_dim)
     a = tl.load(a_ptr + token_offsets + dims[None, :], mask=feature_mask, other=0.0)  # [B, HEAD_DIM]
     b = tl.load(b_ptr + token_offsets + dims[None, :], mask=feature_mask, other=0.0)  # [B, HEAD_DIM]
-    c = tl.load(c_ptr + token_offsets + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < head_dim), other=0.0)
+    out_mask = row_mask[:, None] & (cols[None, :] < head_dim)
+    c = tl.load(c_ptr + token_offsets + cols[None, :], mask=out_mask, other=0.0)  # [B, TILE]
     state_offsets = (block.to(tl.int64) * num_heads + head) * head_dim * head_dim
     state = tl.load(
         states_ptr + state_offsets + dims[:, None] * state_row_stride + cols[None, :] * state_col_stride,
@@ -218,7 +228,7 @@ def _block_output_kernel(
         row_decay = tl.exp(-rate * (rows + 1).to(tl.float32))
     out = _dot(scores.to(c.dtype), c, UPCAST_DOTS)
     out += _dot((a * row_decay[:, None]).to(a.dtype), state.to(a.dtype), UPCAST_DOTS)
-    tl.store(out_ptr + token_offsets + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < head_dim))
+    tl.store(out_ptr + token_offsets + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when this module was imported).
@@ -336,6 +346,7 @@ def _scan_states(
         num_heads, head_dim,
         BLOCK=blocks.block_size, HEAD_DIM=padded, TILE_X=tile, TILE_Y=tile,
         REVERSE=reverse, HAS_INITIAL=initial is not None, UPCAST_DOTS=INTERPRETED,
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
     return block_states, final
 
@@ -361,6 +372,7 @@ def _block_outputs(
         a, b, c, states, out, rates, blocks.cu_seqlens, blocks.cu_blocks, blocks.block_docs,
         num_heads, head_dim, row_stride, col_stride,
         BLOCK=blocks.block_size, HEAD_DIM=padded, TILE=tile, ANTI_CAUSAL=anti_causal, UPCAST_DOTS=INTERPRETED,
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -397,12 +409,12 @@ class _LightningTritonFunction(torch.autograd.Function):
         states, _ = _scan_states(k, v, rates, blocks, initial_states, reverse=False)
         grad_q = _block_outputs(grad_out, v, k, states, rates, blocks, transpose_states=True, anti_causal=False)
         del states
-        # grad_leaving[block] = grad w.r.t. the state leaving the block; the scan's end is grad initial.
+        # grad_leaving[block] = grad w.r.t. the state leaving the block (grad S_out); the reverse
+        # scan ends at the grad w.r.t. each document's initial state.
         grad_leaving, grad_initial = _scan_states(q, grad_out, rates, blocks, grad_final, reverse=True)
-        # k_j and v_j reach the later rows i >= j of their block, and the state leaving it through
-        # exp(-s (L - 1 - j)) k_j^T v_j:
-        #   grad k_j = sum_(i >= j) exp(-s (i - j)) (grad_o_i . v_j) q_i + exp(-s (L - 1 - j)) v_j G^T
-        #   grad v_j = sum_(i >= j) exp(-s (i - j)) (q_i . k_j) grad_o_i + exp(-s (L - 1 - j)) k_j G
+        # k_j and v_j reach the rows i >= j of their block, and S_out through exp(-s (L - 1 - j)) k_j^T v_j:
+        #   grad k_j = sum_(i >= j) exp(-s (i - j)) (grad_o_i . v_j) q_i + exp(-s (L - 1 - j)) v_j grad_S_out^T
+        #   grad v_j = sum_(i >= j) exp(-s (i - j)) (q_i . k_j) grad_o_i + exp(-s (L - 1 - j)) k_j grad_S_out
         grad_k = _block_outputs(v, grad_out, q, grad_leaving, rates, blocks, transpose_states=True, anti_causal=True)
         grad_v = _block_outputs(k, q, grad_out, grad_leaving, rates, blocks, transpose_states=False, anti_causal=True)
         grad_initial = None if initial_states is None else grad_initial.to(initial_states.dtype)

@@ -13,9 +13,14 @@ pipeline stage without the head it returns the hidden states for the next stage.
 Decoding (``prefill`` / ``decode_step``) batches left-padded prompts: pad tokens are masked as
 keys in softmax layers and get zero keys and values in lightning layers, whose state therefore
 stays exactly zero until a sequence's first real token. RoPE positions count real tokens only.
+It runs on the training model itself (a model built with sequence parallelism decodes as a plain
+TP model) and needs the whole model in one pipeline stage.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 from megatron.core import tensor_parallel
@@ -31,20 +36,20 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
-from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32, enter_tensor_parallel_region
+from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32
 
 
 class HybridModel(LanguageModule):
     """One pipeline stage (all of it when PP = 1) of the hybrid model.
 
-    model: the architecture; config: Megatron's TransformerConfig for it under the parallel
-    layout (``models.config.transformer_config``); pre_process / post_process: this stage holds
-    the embedding / the final norm and LM head.
+    hybrid_config: the architecture; config: Megatron's TransformerConfig for it under the
+    parallel layout (``models.config.transformer_config``); pre_process / post_process: this stage
+    holds the embedding / the final norm and LM head.
     """
 
     def __init__(
         self,
-        model: HybridModelConfig,
+        hybrid_config: HybridModelConfig,
         config: TransformerConfig,
         pre_process: bool = True,
         post_process: bool = True,
@@ -52,33 +57,34 @@ class HybridModel(LanguageModule):
         vp_stage: int | None = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        self.model = model
+        self.hybrid_config = hybrid_config
         self.pre_process = pre_process
         self.post_process = post_process
         self.vp_stage = vp_stage
         self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = False
-        self.vocab_size = model.vocab_size
+        self.vocab_size = hybrid_config.vocab_size
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=config, vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
+                config=config, vocab_size=hybrid_config.vocab_size,
+                max_sequence_length=hybrid_config.max_position_embeddings,
                 position_embedding_type="none", tp_group=self.pg_collection.tp,
             )
-        self.rotary = RotaryEmbedding(model.rotary_dim, model.rotary_base)
+        self.rotary = RotaryEmbedding(hybrid_config.rotary_dim, hybrid_config.rotary_base)
         self.decoder = TransformerBlock(
             config=config,
-            spec=block_spec(model, config, get_pg_rank(self.pg_collection.pp), vp_stage),
+            spec=block_spec(hybrid_config, config, get_pg_rank(self.pg_collection.pp), vp_stage),
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=self.pg_collection,
             vp_stage=vp_stage,
         )
         self._has_softmax_layers = any(
-            model.layer_kind(layer.layer_number - 1) == SOFTMAX for layer in self.decoder.layers
+            hybrid_config.layer_kind(layer.layer_number - 1) == SOFTMAX for layer in self.decoder.layers
         )
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, model.vocab_size, config=config, init_method=config.init_method,
+                config.hidden_size, hybrid_config.vocab_size, config=config, init_method=config.init_method,
                 bias=False, gather_output=False, tp_group=self.pg_collection.tp,
             )
         self.setup_embeddings_and_output_layer()
@@ -108,10 +114,12 @@ class HybridModel(LanguageModule):
         (cu_seqlens_q), each attending only to itself.
 
         Returns on the last stage: logits [b, s, V/TP] (fp32 with fp32_lm_head), or with labels the
-        cross-entropy [b, s], or with return_hidden_states the final-norm hidden states [b, s, H]
-        of the full sequence, ready for a fused LM-head loss with this rank's vocab shard
-        ``lm_head_weight`` (their backward sums the TP ranks' gradients, as the output layer's own
-        input does). Earlier stages return the hidden states [s(/TP), b, H] for the next stage.
+        cross-entropy [b, s], or with return_hidden_states the final-norm hidden states exactly as
+        the output layer would take them, [s(/TP), b, H] (sequence first, this rank's slice under
+        sequence parallelism), for a fused LM-head loss: parallel.vocab_parallel.lm_head_input
+        maps them like ColumnParallelLinear maps its input, then lm_head_logprobs multiplies by
+        this rank's vocab shard ``lm_head_weight``. Earlier stages return the hidden states
+        [s(/TP), b, H] for the next stage.
         """
         seq_len = input_ids.shape[1]
         if position_ids is None:
@@ -130,11 +138,8 @@ class HybridModel(LanguageModule):
             packed_seq_params=packed_seq_params,
             inference_context=inference_context,
         )
-        if not self.post_process:
+        if not self.post_process or return_hidden_states:
             return hidden
-        if return_hidden_states:
-            hidden = enter_tensor_parallel_region(hidden, self.config.sequence_parallel, self.pg_collection.tp)
-            return hidden.transpose(0, 1)
         logits = self._logits(hidden)  # [s, b, V/TP]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
@@ -149,7 +154,7 @@ class HybridModel(LanguageModule):
         """[s(/TP), b, H] -> [s, b, V/TP]; with fp32_lm_head the matmul and the logits are fp32 (the
         bf16 weight is upcast; its gradient flows back through the cast)."""
         weight = self.output_layer.weight
-        if self.model.fp32_lm_head:
+        if self.hybrid_config.fp32_lm_head:
             hidden, weight = at_least_fp32(hidden), at_least_fp32(weight)
         logits, _ = self.output_layer(hidden, weight=weight)
         return logits
@@ -199,8 +204,10 @@ class HybridModel(LanguageModule):
         return logits[:, -1], cache
 
     def _decode_forward(self, input_ids, position_ids, attention_mask, cache: InferenceCache) -> torch.Tensor:
-        logits = self.forward(input_ids, position_ids, attention_mask, inference_context=cache)
-        return at_least_fp32(tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp))
+        with self._sequence_parallel_off():
+            logits = self.forward(input_ids, position_ids, attention_mask, inference_context=cache)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+        return at_least_fp32(logits)
 
     def _check_decodable(self) -> None:
         if not (self.pre_process and self.post_process):
@@ -208,11 +215,34 @@ class HybridModel(LanguageModule):
                 "prefill / decode_step need the whole model in one stage: build it with "
                 "pipeline_model_parallel_size = 1."
             )
-        if self.config.sequence_parallel:
-            raise ValueError(
-                "prefill / decode_step cannot split one new token along the sequence: build the "
-                "decoding model with parallel.sequence_parallel = false (the weights are the same)."
-            )
+
+    @contextlib.contextmanager
+    def _sequence_parallel_off(self) -> Iterator[None]:
+        """Run a model built with sequence parallelism as a plain TP model (same weights, every rank
+        holds the whole sequence): one new token cannot be split along the sequence. Megatron reads
+        the flag from the shared TransformerConfig, and the linears and the embedding copy it at
+        construction; all are switched off and back on (GPTModel's inference path switches its
+        output layer's flag the same way). Forward only: the backward of these modules would differ.
+        """
+        if not self.config.sequence_parallel:
+            yield
+            return
+        configs = {
+            id(m.config): m.config for m in self.modules() if isinstance(getattr(m, "config", None), TransformerConfig)
+        }
+        switches = [
+            (owner, name)
+            for owner in (*self.modules(), *configs.values())
+            for name in ("sequence_parallel", "reduce_scatter_embeddings")
+            if getattr(owner, name, None) is True
+        ]
+        for owner, name in switches:
+            setattr(owner, name, False)
+        try:
+            yield
+        finally:
+            for owner, name in switches:
+                setattr(owner, name, True)
 
 
 def _default_positions(input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:

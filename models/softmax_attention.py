@@ -82,17 +82,14 @@ class SoftmaxAttention(MegatronModule):
         v = self._heads(self.v_proj(full)[0], self.num_local_kv_heads)
         q, k = apply_rotary(q, rotary_pos_cos, rotary_pos_sin), apply_rotary(k, rotary_pos_cos, rotary_pos_sin)
         if inference_context is not None:
-            k, v = self._extend_cache(inference_context, k, v)
-            mask = _padded_causal_mask(inference_context.valid_mask, seq_len)
+            k, v = inference_context.extend_kv(self.layer_idx, k, v)
+            out = self._attend(q, k, v, _padded_causal_mask(inference_context.valid_mask, seq_len))
         elif packed_seq_params is not None:
-            mask = _document_causal_mask(packed_seq_params.cu_seqlens_q, seq_len, q.device)
+            out = self._attend_documents(q, k, v, packed_seq_params.cu_seqlens_q)
         elif attention_mask is not None:
-            mask = _padded_causal_mask(attention_mask.bool(), seq_len)
+            out = self._attend(q, k, v, _padded_causal_mask(attention_mask.bool(), seq_len))
         else:
-            mask = None
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5, enable_gqa=True
-        )  # [b, heads, s, d]
+            out = self._attend(q, k, v, mask=None)
         out = out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
         out, _ = self.o_proj(out)
         return out
@@ -102,12 +99,27 @@ class SoftmaxAttention(MegatronModule):
         seq_len, batch = projected.shape[:2]
         return projected.view(seq_len, batch, num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-    def _extend_cache(self, cache: InferenceCache, k: torch.Tensor, v: torch.Tensor):
-        if self.layer_idx in cache.keys:
-            k = torch.cat((cache.keys[self.layer_idx], k), dim=2)
-            v = torch.cat((cache.values[self.layer_idx], v), dim=2)
-        cache.keys[self.layer_idx], cache.values[self.layer_idx] = k, v
-        return k, v
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [b, heads, s, d], k and v [b, kv heads, T, d]; mask [b, 1, s, T] bool or None for causal."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5, enable_gqa=True
+        )
+
+    def _attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor):
+        """Causal attention inside each packed document (batch 1): one attention call per document,
+        so memory and work are sum(L_i^2), not T^2."""
+        seq_len = q.shape[2]
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != seq_len:
+            raise ValueError(
+                f"packed_seq_params.cu_seqlens_q spans [{bounds[0]}, {bounds[-1]}] but the sequence has "
+                f"{seq_len} tokens: the documents must cover the packed sequence exactly."
+            )
+        pieces = [
+            self._attend(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask=None)
+            for start, end in zip(bounds[:-1], bounds[1:])
+        ]
+        return torch.cat(pieces, dim=2)
 
 
 def _padded_causal_mask(key_valid: torch.Tensor, query_len: int) -> torch.Tensor:
@@ -122,16 +134,3 @@ def _padded_causal_mask(key_valid: torch.Tensor, query_len: int) -> torch.Tensor
     causal = key_index[None, :] <= query_index  # [s, T]
     itself = key_index[None, :] == query_index
     return ((causal & key_valid[:, None, :]) | itself)[:, None]
-
-
-def _document_causal_mask(cu_seqlens: torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, s, s] bool: causal attention inside each packed document."""
-    lengths = torch.diff(cu_seqlens.to(device=device, dtype=torch.long))
-    if int(lengths.sum()) != seq_len:
-        raise ValueError(
-            f"packed_seq_params.cu_seqlens_q ends at {int(cu_seqlens[-1])} but the sequence has {seq_len} "
-            f"tokens: the documents must cover the packed sequence exactly."
-        )
-    document = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    index = torch.arange(seq_len, device=device)
-    return ((document[:, None] == document[None, :]) & (index[None, :] <= index[:, None]))[None, None]

@@ -124,7 +124,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 @dataclass
 class _ShardStats:
-    """One rank's per-token summary of its vocabulary shard, all [tokens], relative to ``local_max``."""
+    """One rank's per-token summary of its vocabulary shard, all [tokens]; sums relative to ``local_max``."""
 
     local_max: torch.Tensor
     sum_exp: torch.Tensor
@@ -151,15 +151,14 @@ def _shard_stats(
 ) -> _ShardStats:
     """Summarize [tokens, V/TP] logits (compute dtype; not modified) into per-token statistics."""
     local_max = logits.amax(dim=-1)
-    shifted = logits - local_max[:, None]  # [tokens, V/TP], <= 0
     target_logit = None
     if local_targets is not None:
         target_logit = torch.where(owned, logits.gather(-1, local_targets[:, None]).squeeze(-1), 0.0)
-    entropy_term = None
+    shifted = logits - local_max[:, None]  # [tokens, V/TP], <= 0
+    if not with_entropy:
+        return _ShardStats(local_max, shifted.exp_().sum(dim=-1), target_logit, None)
     exp_shifted = shifted.exp()
-    if with_entropy:
-        entropy_term = torch.linalg.vecdot(exp_shifted, shifted)
-    return _ShardStats(local_max, exp_shifted.sum(dim=-1), target_logit, entropy_term)
+    return _ShardStats(local_max, exp_shifted.sum(dim=-1), target_logit, torch.linalg.vecdot(exp_shifted, shifted))
 
 
 @dataclass
@@ -291,6 +290,11 @@ def default_chunk_size(shard_width: int) -> int:
     return max(1, LOGITS_CHUNK_BYTES // (4 * shard_width))
 
 
+def _token_chunks(num_tokens: int, chunk_size: int) -> list[slice]:
+    # At least one chunk, empty for an empty batch, so that it still yields (empty) statistics.
+    return [slice(start, start + chunk_size) for start in range(0, max(num_tokens, 1), chunk_size)]
+
+
 class _FusedLMHeadLogProbs(torch.autograd.Function):
     """hidden [tokens, H] x weight [V/TP, H] -> (logp [tokens], entropy [tokens] or None).
 
@@ -305,8 +309,7 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
         compute_dtype = _compute_dtype(hidden, weight)
         compute_weight = weight.to(compute_dtype)  # [V/TP, H]
         parts = []
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
+        for rows in _token_chunks(hidden.shape[0], chunk_size):
             logits = hidden[rows].to(compute_dtype) @ compute_weight.T  # [chunk, V/TP]
             parts.append(_shard_stats(logits, local_targets[rows], owned[rows], compute_entropy))
         results = _reduce_over_vocab(_ShardStats.cat(parts), tp_group)
@@ -326,8 +329,7 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
         grad_logprobs = grad_logprobs.to(compute_dtype)
         grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=compute_dtype, device=weight.device) if need_weight else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
+        for rows in _token_chunks(hidden.shape[0], ctx.chunk_size):
             chunk_hidden = hidden[rows].to(compute_dtype)  # [chunk, H]
             logits = chunk_hidden @ compute_weight.T
             grad_logits = _grad_of_logits(logits, logsumexp[rows], local_targets[rows], owned[rows], grad_logprobs[rows])

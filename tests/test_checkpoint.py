@@ -1,7 +1,7 @@
 """Checkpoints of a tiny Megatron GPTModel in real gloo processes: saved at TP=2 with the distributed
-optimizer, loaded at TP=2 and at TP=1 (same weights, the run continues as if uninterrupted, RNG
-restored on the same layout), kept to the newest N, and never half-written: a save killed before
-its final rename leaves the previous checkpoint as the latest, and it loads."""
+optimizer, loaded at TP=2 and at TP=1 x DP=2 (same weights, the run continues as if uninterrupted,
+RNG restored on the same layout), kept to the newest N, and never half-written: a save killed before
+its final rename leaves the previous checkpoint as the latest, and it loads (plain optimizer)."""
 
 from __future__ import annotations
 
@@ -139,8 +139,11 @@ def _save_run(root: str) -> dict:
     return result
 
 
-def _load_run(path: str, layout: dict, fresh_optimizer_control: bool) -> dict:
-    """Load the step-2 checkpoint at ``layout`` and take step 3."""
+def _load_run(path: str, layout: dict, resave_root: str | None) -> dict:
+    """Load the step-2 checkpoint at ``layout`` and take step 3. Then, without ``resave_root``,
+    take step 3 again from the same weights with a fresh optimizer (a control: the comparison sees
+    the optimizer state); with it, save step 3 there at this layout, load that into a second model,
+    and take step 4 with both."""
     _init(layout)
     ddp_model, optimizer, scheduler = _build(distributed_optimizer=True)
     _scramble_rng()
@@ -156,12 +159,18 @@ def _load_run(path: str, layout: dict, fresh_optimizer_control: bool) -> dict:
     }
     _train_step(ddp_model, optimizer, scheduler, 3)
     result["params3"] = _params(ddp_model)
-    if fresh_optimizer_control:
-        # The same weights with a fresh optimizer: shows that the comparison sees optimizer state.
-        control_model, control_optimizer, control_scheduler = _build(distributed_optimizer=True)
-        load_checkpoint(path, control_model, load_rng=False)
-        _train_step(control_model, control_optimizer, control_scheduler, 3)
-        result["params3_fresh_optimizer"] = _params(control_model)
+    second_model, second_optimizer, second_scheduler = _build(distributed_optimizer=True)
+    if resave_root is None:
+        load_checkpoint(path, second_model, load_rng=False)
+        _train_step(second_model, second_optimizer, second_scheduler, 3)
+        result["params3_fresh_optimizer"] = _params(second_model)
+    else:
+        resaved = save_checkpoint(resave_root, 3, ddp_model, optimizer, scheduler)
+        load_checkpoint(resaved, second_model, second_optimizer, second_scheduler)
+        for model, model_optimizer, model_scheduler in ((ddp_model, optimizer, scheduler),
+                                                        (second_model, second_optimizer, second_scheduler)):
+            _train_step(model, model_optimizer, model_scheduler, 4)
+        result.update(params4=_params(ddp_model), params4_resaved=_params(second_model))
     return result
 
 
@@ -174,7 +183,10 @@ def tp2_run(tmp_path_factory):
 
 def _max_relative_error(expected: dict, actual: dict) -> float:
     assert expected.keys() == actual.keys()
-    return max(float((expected[k] - actual[k]).abs().max() / expected[k].abs().max().clamp_min(1e-12)) for k in expected)
+    return max(
+        float((expected[key] - actual[key]).abs().max() / expected[key].abs().max().clamp_min(1e-12))
+        for key in expected
+    )
 
 
 def _updates(results: list[dict]) -> dict:
@@ -200,7 +212,7 @@ def test_save_writes_meta_and_keeps_last(tp2_run):
 
 def test_load_at_tp2_continues_as_uninterrupted(tp2_run):
     root, saved = tp2_run
-    loaded = run_distributed(_load_run, 2, str(checkpoint_dir(root, 2)), TP2, True)
+    loaded = run_distributed(_load_run, 2, str(checkpoint_dir(root, 2)), TP2, None)
     assert loaded[0]["meta"]["step"] == 2
     assert loaded[0]["meta"]["extra_state"] == _extra_state(2)
     # Same weights, same optimizer state and learning rate: the next step is bit-identical.
@@ -217,16 +229,21 @@ def test_load_at_tp2_continues_as_uninterrupted(tp2_run):
     assert not torch.equal(saved[0]["draws"]["tracker"], saved[1]["draws"]["tracker"])
 
 
-def test_load_at_tp1_reshards_weights_and_optimizer(tp2_run):
+def test_load_at_tp1_dp2_reshards_weights_and_optimizer(tp2_run, tmp_path):
+    """TP=2 x DP=1 -> TP=1 x DP=2: the distributed optimizer's state is re-split along another axis."""
     root, saved = tp2_run
-    (loaded,) = run_distributed(_load_run, 1, str(checkpoint_dir(root, 2)), {}, False)
-    assert _max_relative_error(assemble([r["params2"] for r in saved]), assemble([loaded["params2"]])) == 0
+    loaded = run_distributed(_load_run, 2, str(checkpoint_dir(root, 2)), {}, str(tmp_path))
+    assert _max_relative_error(assemble([r["params2"] for r in saved]), assemble([r["params2"] for r in loaded])) == 0
     # TP=1 sums in another order than TP=2: the update agrees to float32 rounding (measured 6e-6).
-    assert _max_relative_error(_updates(saved), _updates([loaded])) < 5e-5
-    assert loaded["lr"] == saved[0]["lr"]
-    assert loaded["meta"]["extra_state"] == _extra_state(2)
-    (message,) = loaded["rng_warnings"]
-    assert "world size 2" in message and "world size 1" in message
+    assert _max_relative_error(_updates(saved), _updates(loaded)) < 5e-5
+    assert loaded[0]["lr"] == saved[0]["lr"]
+    assert loaded[0]["meta"]["extra_state"] == _extra_state(2)
+    for result in loaded:
+        (message,) = result["rng_warnings"]
+        assert "'tensor_model_parallel_size': 2" in message and "'tensor_model_parallel_size': 1" in message
+    # Saved again at DP=2 and loaded: the next step is bit-identical.
+    resaved = {key: assemble([r[key] for r in loaded]) for key in ("params4", "params4_resaved")}
+    assert _max_relative_error(resaved["params4"], resaved["params4_resaved"]) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +292,9 @@ def _resume_after_crash(root: str, params_file: str, broken_dirs: list[str]) -> 
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     root = tmp_path / "run"
     params_file, ready_file = tmp_path / "params_step2.pt", tmp_path / "ready"
-    process = mp.get_context("spawn").Process(target=_save_until_killed, args=(str(root), str(params_file), str(ready_file)))
+    process = mp.get_context("spawn").Process(
+        target=_save_until_killed, args=(str(root), str(params_file), str(ready_file))
+    )
     process.start()
     try:
         deadline = time.monotonic() + 300
@@ -339,3 +358,17 @@ def test_latest_checkpoint_orders_steps_and_needs_meta(tmp_path):
         load_checkpoint(checkpoint_dir(tmp_path, 100), model=None)
     with pytest.raises(ValueError, match="format_version"):
         load_checkpoint(checkpoint_dir(tmp_path, 10), model=None)
+
+
+def test_publish_replaces_a_step_saved_before(tmp_path):
+    """A resumed run that saves a step it had saved before: the new checkpoint wins, nothing is left over."""
+    from megacispo.checkpoint import _publish
+
+    final = checkpoint_dir(tmp_path, 5)
+    temporary = tmp_path / ".tmp_step_00000005"
+    for directory, content in ((final, "old"), (temporary, "new")):
+        directory.mkdir()
+        (directory / "meta.json").write_text(content)
+    _publish(temporary, final)
+    assert (final / "meta.json").read_text() == "new"
+    assert [path.name for path in tmp_path.iterdir()] == ["step_00000005"]

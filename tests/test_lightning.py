@@ -44,7 +44,7 @@ def weighted_loss(out: torch.Tensor, final_state: torch.Tensor, seed: int = 2) -
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7]
 
 
-@pytest.fixture(params=[1, 2, None], ids=["chunk=1block", "chunk=2blocks", "chunk=default"])
+@pytest.fixture(params=[2, None], ids=["chunk=2blocks", "chunk=default"])
 def chunk_blocks(request, monkeypatch) -> None:
     """Blocks are processed in chunks; small chunks make the state cross chunk boundaries."""
     if request.param is not None:

@@ -1,29 +1,44 @@
 """Triton lightning-attention kernels against the naive recurrence, run in Triton's CPU interpreter.
 
-TRITON_INTERPRET=1 must be set before the kernels are decorated, i.e. before
-megacispo.models.lightning_triton is first imported; the module is reloaded if an earlier test
-imported it without the interpreter. The interpreter runs every kernel program in Python, so the
-sizes are tiny: block 16, head dim 16, a few dozen tokens.
+Triton reads TRITON_INTERPRET when @triton.jit runs, i.e. when the kernels' module is imported, so
+the tests load private copies of megacispo.models.lightning_triton with the variable set (or unset)
+just for that import: the environment and the importable module stay as they were for other tests.
+Triton itself is imported without the variable, so its own @triton.jit helpers (tl.zeros, tl.sum,
+...) cannot run in the interpreter: the kernels use only builtins, and a test here fails if not.
+The interpreter runs every kernel program in Python, so the sizes are tiny: block 16, head dim 16,
+a few dozen tokens.
 """
 
-import importlib
-import os
-import subprocess
+import importlib.util
 import sys
+from types import ModuleType
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]'); the kernels need it")
 
-from megacispo.models import lightning_triton  # noqa: E402
-from megacispo.models.lightning import lightning_attention_reference  # noqa: E402
+from megacispo.models.lightning import lightning_attention, lightning_attention_reference  # noqa: E402
 
-if not lightning_triton.INTERPRETED:
-    lightning_triton = importlib.reload(lightning_triton)
-lightning_attention_triton = lightning_triton.lightning_attention_triton
+
+def _load_kernels_module(interpret: bool, name: str) -> ModuleType:
+    """A fresh copy of megacispo.models.lightning_triton under its own module name."""
+    path = importlib.util.find_spec("megacispo.models.lightning_triton").origin
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    with pytest.MonkeyPatch.context() as patch:
+        if interpret:
+            patch.setenv("TRITON_INTERPRET", "1")
+        else:
+            patch.delenv("TRITON_INTERPRET", raising=False)
+        spec.loader.exec_module(module)
+    assert module.INTERPRETED == interpret
+    return module
+
+
+_interpreted = _load_kernels_module(interpret=True, name="_lightning_triton_interpreted")
+lightning_attention_triton = _interpreted.lightning_attention_triton
 
 BLOCK = 16
 HEADS = 2
@@ -42,14 +57,17 @@ def _random_inputs(
 
 
 def _forward_backward(fn, inputs: tuple[torch.Tensor, ...], dtype: torch.dtype, **kwargs):
-    """Run fn(q, k, v, DECAY, initial) on inputs cast to dtype and backpropagate a fixed random
-    weighting of (out, final state). Returns (out, final_state, [grad q, grad k, grad v, grad initial])."""
+    """Run fn(q, k, v, DECAY, initial) on inputs cast to dtype (DECAY stays fp32: both functions take
+    the rates in any dtype) and backpropagate a fixed random weighting of (out, final state).
+
+    Returns (out, final_state, [grad q, grad k, grad v, grad initial]).
+    """
     leaves = [None if x is None else x.to(dtype, copy=True).requires_grad_(True) for x in inputs]
     q, k, v, initial = leaves
-    out, final_state = fn(q, k, v, DECAY.to(dtype), initial, **kwargs)
+    out, final_state = fn(q, k, v, DECAY, initial, **kwargs)
     generator = torch.Generator().manual_seed(1)
-    out_weight = torch.randn(out.shape, generator=generator, dtype=torch.float64)
-    final_weight = torch.randn(final_state.shape, generator=generator, dtype=torch.float64)
+    out_weight = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.device)
+    final_weight = torch.randn(final_state.shape, generator=generator, dtype=torch.float64).to(out.device)
     loss = (out.double() * out_weight).sum() + (final_state.double() * final_weight).sum()
     loss.backward()
     return out, final_state, [None if x is None else x.grad for x in leaves]
@@ -136,18 +154,35 @@ def test_rejects_block_size_that_is_not_a_power_of_two() -> None:
 
 
 def test_cpu_without_interpreter_raises_clear_error() -> None:
-    """A fresh process without TRITON_INTERPRET compiles real kernels: CPU tensors must be refused."""
-    script = (
-        "import torch\n"
-        "from megacispo.models.lightning_triton import lightning_attention_triton\n"
-        "x = torch.randn(1, 4, 2, 16)\n"
-        "try:\n"
-        "    lightning_attention_triton(x, x, x, torch.tensor([0.5, 0.1]))\n"
-        "except RuntimeError as error:\n"
-        "    print(error)\n"
-    )
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "needs a CUDA GPU" in result.stdout
-    assert "TRITON_INTERPRET=1" in result.stdout
+    """Without TRITON_INTERPRET the kernels are compiled for a GPU: CPU tensors must be refused."""
+    compiled = _load_kernels_module(interpret=False, name="_lightning_triton_compiled")
+    q, k, v, _ = _random_inputs(batch=1, seq_len=4, num_states=None)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*TRITON_INTERPRET=1"):
+        compiled.lightning_attention_triton(q, k, v, DECAY)
+
+
+def test_without_triton_module_imports_and_call_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU-only installs have no triton: importing must work (the lead dispatches on q.is_cuda)."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    without_triton = _load_kernels_module(interpret=False, name="_lightning_triton_without_triton")
+    q, k, v, _ = _random_inputs(batch=1, seq_len=4, num_states=None)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        without_triton.lightning_attention_triton(q, k, v, DECAY)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_cuda_compiled_kernels_match_blockwise_torch(dtype: torch.dtype, tol: float) -> None:
+    """The compiled kernels at the model's head dim 128 and the default block 64, on packed documents
+    of lengths around the block size, against the pure-torch block-wise path in fp64."""
+    from megacispo.models import lightning_triton
+
+    if lightning_triton.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET is set, so the importable module's kernels are not compiled")
+    doc_lengths = [1, 63, 64, 65, 300]
+    cu_seqlens = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()], device="cuda")
+    inputs = _random_inputs(batch=1, seq_len=sum(doc_lengths), num_states=len(doc_lengths), head_dim=128, seed=11)
+    rounded = tuple(x.to(dtype).float().cuda() for x in inputs)  # both sides see the same dtype-rounded values
+    result = _forward_backward(lightning_triton.lightning_attention_triton, rounded, dtype, cu_seqlens=cu_seqlens)
+    expected = _forward_backward(lightning_attention, rounded, torch.float64, cu_seqlens=cu_seqlens)
+    _assert_matches(result, expected, tol)

@@ -49,7 +49,8 @@ def _train_step(layout: dict, num_microbatches: int, load_dir: str | None = None
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    tokens = torch.randint(0, model_cfg.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(7))
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, model_cfg.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
     local = tokens.chunk(dp_size)[dp_rank]
     micro_batches = iter(local.chunk(num_microbatches))
 

@@ -1,4 +1,4 @@
-"""The RL loop end to end: 2 processes (TP=2), a few steps with several updates per rollout batch,
+"""The RL loop end to end: 2 processes (EP=2), a few steps with several updates per rollout batch,
 every metric written, clipping acting; and a resumed run continuing exactly as an uninterrupted one."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ EXPECTED_METRICS = [
     "advantage/abs_mean", "rollout/response_length_mean", "rollout/response_length_max",
     "rollout/dynamic_sampling_dropped_frac", "rollout/train_rollout_prob_corr", "perf/grad_norm", "perf/lr",
     "perf/tokens_per_s", "perf/time_rollout_s", "perf/time_old_logprobs_s", "perf/time_update_s", "eval/accuracy",
+    "moe/load_max_over_mean", "moe/load_max_over_mean_layer0",
 ]
 
 
@@ -36,7 +37,7 @@ def task_files(tmp_path_factory) -> Path:
 
 def _overrides(data: Path, run_dir: Path, steps: int) -> list[str]:
     pairs = {
-        "parallel.tensor_model_parallel_size": 2,
+        "parallel.expert_model_parallel_size": 2,
         "data.train_prompts": data / "train.jsonl", "data.test_prompts": data / "test.jsonl",
         "data.tokenizer": data / "tok" / "tokenizer.model",
         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 4,
@@ -56,10 +57,18 @@ def _train(argv: list[str]) -> None:
     assert main(argv) == 0
 
 
-def _params(checkpoint: Path) -> dict[str, torch.Tensor]:
+def _plain_params(checkpoint: str) -> dict[str, torch.Tensor]:
     from megatron.core.dist_checkpointing import load_plain_tensors
 
-    return {k: v for k, v in load_plain_tensors(str(checkpoint)).items() if k.startswith("model.")}
+    torch.distributed.init_process_group("gloo")
+    return {k: v for k, v in load_plain_tensors(checkpoint).items()
+            if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
+
+
+def _params(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint, whole (dist_checkpointing reads inside a process group)."""
+    (params,) = run_distributed(_plain_params, 1, str(checkpoint))
+    return params
 
 
 def test_rl_steps_write_every_metric_and_clip(task_files, tmp_path):

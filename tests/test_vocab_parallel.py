@@ -159,6 +159,17 @@ def test_fused_head_without_grad_keeps_no_graph():
     _close(logprobs, _reference_grads(inputs, "hidden", "weight")["logprobs"])
 
 
+def test_empty_batch_gives_empty_results_and_zero_grads():
+    inputs = _inputs()
+    hidden = inputs["hidden"][:0].clone().requires_grad_(True)
+    weight = inputs["weight"].clone().requires_grad_(True)
+    logprobs, entropy = lm_head_logprobs(hidden, weight, inputs["targets"][:0], compute_entropy=True)
+    logprobs.sum().backward()
+    assert logprobs.shape == entropy.shape == (0,)
+    assert hidden.grad.shape == (0, HIDDEN) and not weight.grad.any()
+    assert vocab_parallel_logprobs(inputs["logits"][:0], inputs["targets"][:0]).shape == (0,)
+
+
 def test_vocab_shard_range_and_default_chunk():
     assert [vocab_shard_range(VOCAB, rank, 4) for rank in range(4)] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
     with pytest.raises(ValueError, match="vocab_size = 1001 .* pad the vocabulary"):

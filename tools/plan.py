@@ -1,0 +1,561 @@
+"""Per-GPU memory of a training layout: parameters, gradients, optimizer states, activations and a
+fixed overhead, for the worst pipeline stage, and whether it fits.
+
+    python tools/plan.py --model minimax-m1 --tp 8 --pp 8 --ep 8 --dp 8 --sequence-parallel \\
+        --micro-batch 1 --seq-len 8192 --recompute full --precision bf16 --gpu-memory-gb 80 \\
+        --distributed-optimizer
+
+World size = TP x PP x DP. Exit status 0 when the plan fits, 1 when it does not or the layout is
+impossible (the same checks and messages as start-up: parallel.layout.validate_layout).
+Memory is in GiB (2^30 bytes); an "80 GB" H100/H800 reports 81,559 MiB = 79.6 GiB to CUDA.
+
+Parameters per GPU follow Megatron-Core's split. Dense parameters: the mixer projections are split
+over TP (column-parallel qkv / gate / q / k / v, row-parallel out / o; the lightning output norm
+over nh * d channels is TP-sharded), the layer RMSNorms and the MoE router are replicated on every
+TP rank, and each pipeline stage holds L / PP consecutive layers. The embedding lives on the first
+stage, the final norm and the untied LM head on the last (both vocabulary-split over TP). Experts:
+E / EP experts per GPU, each split over expert TP (ETP, default = TP). Stages differ (which layers
+are softmax, embedding vs LM head, micro-batches in flight): the plan reports the worst one.
+
+Bytes per parameter (stated assumptions):
+    weights     2     bf16 model weights, in both precisions. With fp8, Megatron's Transformer
+                      Engine path keeps the bf16 weights and casts them to fp8 per GEMM; TE caches
+                      that fp8 copy and its transpose across the micro-batches of a step (Megatron
+                      passes is_first_microbatch), so the plan adds 2 bytes per GEMM weight (mixer
+                      projections and experts; not norms, router, embedding or the fp32 LM head)
+                      as "fp8 weight cache".
+    gradients   4     the fp32 gradient buffer of Megatron's DDP with grad_reduce_in_fp32=True
+                      (fp32 accumulation over micro-batches). Not sharded, even with the
+                      distributed optimizer: the reduce-scatter writes into the same buffer.
+    optimizer   12    fp32 master weights + Adam m and v. With the distributed optimizer dense
+                      parameters are sharded over DP = world / (TP x PP) and expert parameters over
+                      the expert-data-parallel size world / (EP x ETP x PP); without it, unsharded.
+
+Activations: the tensors the forward keeps for the backward, itemized for one micro-batch of
+T = micro_batch x seq_len tokens from what this repository's modules save (measured with
+torch.autograd.graph.saved_tensors_hooks on the tiny model; tests/test_plan.py compares).
+"/SP" means divided by TP under sequence parallelism; a = 2 bytes (bf16); g = bytes of a GEMM
+input, a in bf16 and 1 in fp8 (Transformer Engine saves the fp8 cast of a GEMM's input).
+
+    every layer     input and pre-MLP RMSNorm: fp32 input + normalized output + 1/rms, (4+a)H/SP each
+                    mixer input, all-gathered over TP (the full sequence on every TP rank): gH
+    lightning       qkv pre-activation a 3W/TP; q, k, v in fp32 for the kernel 12W/TP; one
+                    [heads/TP, d, d] fp32 state per 1024-token chunk; sigmoid(gate) aW/TP; output
+                    RMSNorm (4+a)W/TP; its output aW/TP; out_proj input gW/TP. No T x T scores:
+                    the kernel keeps q, k, v and chunk states and recomputes block scores in backward.
+    softmax         q, k, v after RoPE a(W + 2 W_kv)/TP; SDPA output aW/TP and log-sum-exp
+                    4 heads/TP; o_proj input gW/TP. Flash / memory-efficient SDPA keeps no T x T
+                    scores (causal, no explicit mask: the trainer right-pads).
+    MoE             router input aH/SP; routing (top-k ids and probs, scores, routing map)
+                    (28k + 9E)/SP; per routed token copy (k e / SP copies per token after the
+                    all-to-all and the expert-TP all-gather): expert input gH, fc1 output a 2I/e,
+                    SwiGLU and probability-weighting intermediates 3aI/e + 4, fc2 input gI/e.
+                    So MoE activations grow linearly with top-k, and ETP = TP stores the whole
+                    expert input k x T x H on every TP rank.
+    per stage       pipeline boundary tensors (received input, kept output) aH/SP each.
+    last stage      final RMSNorm (4+a)H/SP and the fp32 LM head: unfused, the head's fp32 input
+                    4H/SP, three [T, V/TP] fp32 logits tensors at the head's peak (the model's
+                    output, the tempered copy the log-prob function saves, and one temporary of
+                    the entropy metric or the logits gradient) and the fp32 weight copy
+                    4 V/TP H; fused (parallel.vocab_parallel.lm_head_logprobs), the hidden states
+                    aH and their fp32 gradient 4H per token, the fp32 weight copy and weight
+                    gradient, and two 64 MiB logits chunks.
+
+Recompute:
+    none        everything above.
+    selective   Megatron's recompute_modules core_attn + layernorm + moe_act: RMSNorms keep only
+                their input (aH/SP); the lightning core (SiLU, kernel, output norm, gating) is
+                recomputed from the qkv pre-activation and sigmoid(gate); SDPA's output and
+                log-sum-exp are recomputed from q, k, v; SwiGLU and the fc2 input are recomputed
+                from the fc1 output. GEMM inputs stay.
+    full        each layer keeps only its input aH/SP per micro-batch; during the backward one
+                layer of one micro-batch is rebuilt (its "none" activations, counted once).
+
+Pipeline: 1F1B without interleaving; stage p holds min(PP - p, micro-batches) micro-batches in
+flight, so the first stage holds PP and the last stage one (plus the LM head).
+Fixed overhead (default 5 GiB): CUDA context and cuBLAS workspaces, NCCL buffers of the TP, PP,
+EP and DP communicators, all-to-all and all-gather staging, allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+from megacispo.models.config import LIGHTNING, MODEL_SIZES, SOFTMAX, HybridModelConfig, model_config, model_shape
+from megacispo.models.lightning import CHUNK_TOKENS
+from megacispo.parallel.layout import ParallelConfig, validate_layout
+from megacispo.parallel.vocab_parallel import LOGITS_CHUNK_BYTES
+
+GIB = 2**30
+RECOMPUTE_MODES = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp8")
+WEIGHT_BYTES = 2
+FP8_WEIGHT_CACHE_BYTES = 2  # TE's cached fp8 weight and its fp8 transpose
+GRAD_BYTES = 4
+OPTIMIZER_BYTES = 12  # fp32 master weight, Adam m, Adam v
+ACTIVATION_BYTES = 2  # bf16
+FP32 = 4
+DEFAULT_OVERHEAD_GIB = 5.0
+
+
+@dataclass(frozen=True)
+class ActivationItem:
+    """Bytes one micro-batch keeps for the backward in one part of the model."""
+
+    name: str
+    none: float
+    """Without recompute."""
+    selective: float
+    """Under selective recompute."""
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters held by one GPU of a pipeline stage."""
+
+    dense: int
+    """Non-expert parameters (sharded over DP by the distributed optimizer)."""
+    expert: int
+    """Expert parameters (sharded over the expert-data-parallel ranks)."""
+    gemm: int
+    """Weights that go through fp8 GEMMs under Transformer Engine (mixer projections, experts)."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU memory of one pipeline stage, in bytes."""
+
+    stage: int
+    """0-based pipeline stage."""
+    num_stages: int
+    """PP."""
+    layer_kinds: str
+    """One character per layer of this stage (L lightning, S softmax)."""
+    first_layer: int
+    """Global index of the stage's first layer."""
+    params: StageParams
+    """Parameters per GPU."""
+    data_parallel_size: int
+    """DP = world / (TP x PP): the distributed optimizer's shards of dense parameters."""
+    expert_data_parallel_size: int
+    """world / (EP x ETP x PP): the distributed optimizer's shards of expert parameters."""
+    distributed_optimizer: bool
+    """Optimizer states sharded over the (expert-)data-parallel ranks."""
+    micro_batches_in_flight: int
+    """Micro-batches whose activations this stage holds at its peak (1F1B)."""
+    weights: int
+    fp8_weight_cache: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    overhead: int
+    capacity: int
+    """Usable device memory."""
+    layer_items: dict[str, tuple[ActivationItem, ...]]
+    """Per layer kind present on the stage ('L', 'S'): the itemized activations of one micro-batch."""
+    stage_items: tuple[ActivationItem, ...]
+    """Stage-level activations of one micro-batch (RoPE tables, pipeline boundaries, final norm, LM head)."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.fp8_weight_cache + self.gradients + self.optimizer_states + self.activations + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The sizes every formula needs, from the model, the layout and the batch."""
+
+    model: HybridModelConfig
+    tp: int
+    etp: int
+    sp: int  # TP under sequence parallelism, else 1: the split of the hidden states between layers
+    tokens: int  # T = micro_batch * seq_len
+    micro_batch: int
+    seq_len: int
+    gemm_input_bytes: int
+
+    @property
+    def width(self) -> int:
+        return self.model.num_attention_heads * self.model.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.model.num_query_groups * self.model.head_dim
+
+    @property
+    def vocab_shard(self) -> int:
+        return -(-self.model.vocab_size // self.tp)
+
+
+def stage_layers(model: HybridModelConfig, pipeline_size: int, stage: int) -> range:
+    """Global indices of the consecutive layers of ``stage`` (Megatron's even split)."""
+    per_stage = model.num_layers // pipeline_size
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def layer_params(model: HybridModelConfig, kind: str, tp: int, ep: int, etp: int) -> StageParams:
+    """Parameters one GPU holds of one layer of ``kind``."""
+    hidden, width = model.hidden_size, model.num_attention_heads * model.head_dim
+    kv_width = model.num_query_groups * model.head_dim
+    if kind == LIGHTNING:
+        projections = (3 * hidden * width + width * hidden + width * hidden) // tp  # qkv, gate, out
+        mixer = projections + width // tp  # + the output RMSNorm over this rank's nh * d channels
+    else:
+        projections = (2 * hidden * width + 2 * hidden * kv_width) // tp  # q, o and k, v
+        mixer = projections
+    replicated = 2 * hidden + model.num_experts * hidden  # two RMSNorms, the router
+    expert = (model.num_experts // ep) * 3 * hidden * model.moe_ffn_hidden_size // etp
+    return StageParams(dense=mixer + replicated, expert=expert, gemm=projections + expert)
+
+
+def stage_params(model: HybridModelConfig, parallel: ParallelConfig, stage: int) -> StageParams:
+    """Parameters one GPU of pipeline ``stage`` holds."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    dense = expert = gemm = 0
+    for layer in stage_layers(model, pp, stage):
+        part = layer_params(model, model.layer_kind(layer), tp, parallel.expert_model_parallel_size, parallel.expert_tp)
+        dense, expert, gemm = dense + part.dense, expert + part.expert, gemm + part.gemm
+    vocab_shard = -(-model.vocab_size // tp) * model.hidden_size
+    if stage == 0:
+        dense += vocab_shard  # embedding
+    if stage == pp - 1:
+        dense += model.hidden_size + vocab_shard  # final RMSNorm, LM head
+    return StageParams(dense=dense, expert=expert, gemm=gemm)
+
+
+def _common_items(dims: _Dims) -> list[ActivationItem]:
+    hidden, tokens, sp = dims.model.hidden_size, dims.tokens, dims.sp
+    norm = tokens * ((FP32 + ACTIVATION_BYTES) * hidden + FP32) / sp
+    norm_input = tokens * ACTIVATION_BYTES * hidden / sp
+    mixer_input = tokens * dims.gemm_input_bytes * hidden
+    return [
+        ActivationItem("input RMSNorm", norm, norm_input),
+        ActivationItem("pre-MLP RMSNorm", norm, norm_input),
+        ActivationItem("mixer input (whole sequence on each TP rank)", mixer_input, mixer_input),
+    ]
+
+
+def _lightning_items(dims: _Dims) -> list[ActivationItem]:
+    model, tokens, a, g = dims.model, dims.tokens, ACTIVATION_BYTES, dims.gemm_input_bytes
+    local_width = dims.width / dims.tp
+    blocks = -(-dims.seq_len // model.lightning_block_size)
+    chunks = -(-blocks // max(1, CHUNK_TOKENS // model.lightning_block_size))
+    states = dims.micro_batch * chunks * (model.num_attention_heads // dims.tp) * model.head_dim**2 * FP32
+    return [
+        ActivationItem("qkv pre-activation", tokens * a * 3 * local_width, tokens * a * 3 * local_width),
+        ActivationItem("q, k, v in fp32 (kernel input)", tokens * FP32 * 3 * local_width, 0),
+        ActivationItem("kernel chunk states", states, 0),
+        ActivationItem("sigmoid(gate)", tokens * a * local_width, tokens * a * local_width),
+        ActivationItem("output RMSNorm", tokens * ((FP32 + a) * local_width + FP32), 0),
+        ActivationItem("output RMSNorm result (gating operand)", tokens * a * local_width, 0),
+        ActivationItem("out_proj input", tokens * g * local_width, tokens * g * local_width),
+    ]
+
+
+def _softmax_items(dims: _Dims) -> list[ActivationItem]:
+    model, tokens, a, g = dims.model, dims.tokens, ACTIVATION_BYTES, dims.gemm_input_bytes
+    local_width, local_kv_width = dims.width / dims.tp, dims.kv_width / dims.tp
+    local_heads = model.num_attention_heads / dims.tp
+    qkv = tokens * a * (local_width + 2 * local_kv_width)
+    return [
+        ActivationItem("q, k, v after RoPE (SDPA input)", qkv, qkv),
+        ActivationItem("SDPA output and log-sum-exp", tokens * (a * local_width + FP32 * local_heads), 0),
+        ActivationItem("o_proj input", tokens * g * local_width, tokens * g * local_width),
+    ]
+
+
+def _moe_items(dims: _Dims) -> list[ActivationItem]:
+    model, a, g = dims.model, ACTIVATION_BYTES, dims.gemm_input_bytes
+    hidden, ffn, topk, experts = model.hidden_size, model.moe_ffn_hidden_size, model.moe_router_topk, model.num_experts
+    local_tokens = dims.tokens / dims.sp
+    # Each local token is sent to k experts; after the all-to-all over EP (balanced routing) and the
+    # all-gather over expert TP a GPU computes its 1/ETP slice of k * ETP copies per local token.
+    copies = local_tokens * topk * dims.etp
+    router_input = local_tokens * a * hidden
+    routing = local_tokens * (28 * topk + 9 * experts)  # int64 ids x2 + fp32 probs; fp32 scores, bool map + fp32 probs
+    expert_input = copies * g * hidden
+    fc1_output = copies * a * 2 * ffn / dims.etp
+    return [
+        ActivationItem("router input", router_input, router_input),
+        ActivationItem("routing (top-k ids, probs, scores, map)", routing, routing),
+        ActivationItem("expert input (k copies per token)", expert_input, expert_input),
+        ActivationItem("expert fc1 output", fc1_output, fc1_output),
+        ActivationItem("SwiGLU and prob-weighting", copies * (3 * a * ffn / dims.etp + FP32), 0),
+        ActivationItem("expert fc2 input", copies * g * ffn / dims.etp, 0),
+    ]
+
+
+def layer_activation_items(dims: _Dims, kind: str) -> tuple[ActivationItem, ...]:
+    """What one layer of ``kind`` keeps for the backward, for one micro-batch."""
+    mixer = _lightning_items(dims) if kind == LIGHTNING else _softmax_items(dims)
+    return tuple(_common_items(dims) + mixer + _moe_items(dims))
+
+
+def _stage_items(dims: _Dims, stage: int, kinds: str, num_stages: int, fused_lm_head: bool) -> tuple[ActivationItem, ...]:
+    """Stage-level activations of one micro-batch: RoPE tables, pipeline boundary tensors, final
+    norm and LM head."""
+    hidden, tokens, sp = dims.model.hidden_size, dims.tokens, dims.sp
+    boundary = tokens * ACTIVATION_BYTES * hidden / sp
+    items = []
+    if SOFTMAX in kinds:
+        rope = tokens * 2 * FP32 * dims.model.rotary_dim  # cos and sin, shared by the stage's softmax layers
+        items.append(ActivationItem("RoPE cos and sin", rope, rope))
+    if stage > 0:
+        items.append(ActivationItem("received stage input", boundary, boundary))
+    if stage < num_stages - 1:
+        items.append(ActivationItem("stage output kept for the backward send", boundary, boundary))
+    if stage == num_stages - 1:
+        norm = tokens * ((FP32 + ACTIVATION_BYTES) * hidden + FP32) / sp
+        items.append(ActivationItem("final RMSNorm", norm, tokens * ACTIVATION_BYTES * hidden / sp))
+        head = _lm_head_bytes(dims, fused_lm_head)
+        items.append(ActivationItem(f"LM head ({'fused' if fused_lm_head else 'fp32 logits'})", head, head))
+    return tuple(items)
+
+
+def _lm_head_bytes(dims: _Dims, fused: bool) -> float:
+    hidden, tokens = dims.model.hidden_size, dims.tokens
+    weight_copy = FP32 * dims.vocab_shard * hidden
+    if fused:
+        return tokens * (ACTIVATION_BYTES + FP32) * hidden + 2 * weight_copy + 2 * LOGITS_CHUNK_BYTES
+    return tokens * (FP32 * hidden / dims.sp + 3 * FP32 * dims.vocab_shard) + weight_copy
+
+
+def _mode_bytes(items, recompute: str) -> float:
+    return sum(item.selective if recompute == "selective" else item.none for item in items)
+
+
+def _stage_activations(
+    dims: _Dims, kinds: str, layer_items: dict, stage_items: tuple, recompute: str, in_flight: int
+) -> int:
+    """Peak activation bytes of a stage holding ``in_flight`` micro-batches."""
+    head_and_boundaries = _mode_bytes(stage_items, "none" if recompute == "full" else recompute)
+    if recompute == "full":
+        checkpoints = len(kinds) * dims.tokens * ACTIVATION_BYTES * dims.model.hidden_size / dims.sp
+        rebuilt_layer = max(_mode_bytes(layer_items[kind], "none") for kind in set(kinds))
+        return math.ceil(in_flight * (checkpoints + head_and_boundaries) + rebuilt_layer)
+    layers = sum(_mode_bytes(layer_items[kind], recompute) for kind in kinds)
+    return math.ceil(in_flight * (layers + head_and_boundaries))
+
+
+def _check_arguments(micro_batch: int, seq_len: int, recompute: str, precision: str,
+                     num_microbatches: int | None) -> None:
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch = {micro_batch}: it must be at least 1 sequence.")
+    if seq_len < 1:
+        raise ValueError(f"seq_len = {seq_len}: it must be at least 1 token.")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute = {recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision = {precision!r}: choose one of {', '.join(PRECISIONS)}.")
+    if num_microbatches is not None and num_microbatches < 1:
+        raise ValueError(f"num_microbatches = {num_microbatches}: it must be at least 1 (or None: at least PP).")
+
+
+def stage_plans(
+    model: HybridModelConfig,
+    parallel: ParallelConfig,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    recompute: str = "none",
+    precision: str = "bf16",
+    *,
+    distributed_optimizer: bool = True,
+    fused_lm_head: bool = False,
+    num_microbatches: int | None = None,
+    overhead_bytes: int = int(DEFAULT_OVERHEAD_GIB * GIB),
+    capacity_bytes: int = 80 * GIB,
+) -> list[MemoryPlan]:
+    """The memory plan of every pipeline stage (see the module docstring for the accounting).
+
+    num_microbatches: micro-batches per optimizer step and data-parallel rank; None assumes at
+    least PP (1F1B's steady state). Raises ValueError for an impossible layout (validate_layout's
+    message) or a bad argument.
+    """
+    _check_arguments(micro_batch, seq_len, recompute, precision, num_microbatches)
+    validate_layout(parallel, world_size, model_shape(model))
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    dims = _Dims(
+        model=model, tp=tp, etp=parallel.expert_tp,
+        sp=tp if parallel.sequence_parallel else 1, tokens=micro_batch * seq_len, micro_batch=micro_batch,
+        seq_len=seq_len, gemm_input_bytes=1 if precision == "fp8" else ACTIVATION_BYTES,
+    )
+    dp = parallel.data_parallel_size(world_size)
+    expert_dp = world_size // (parallel.expert_model_parallel_size * parallel.expert_tp * pp)
+    layer_items = {kind: layer_activation_items(dims, kind) for kind in (LIGHTNING, SOFTMAX)}
+    plans = []
+    for stage in range(pp):
+        layers = stage_layers(model, pp, stage)
+        kinds = "".join(model.layer_kind(i) for i in layers)
+        params = stage_params(model, parallel, stage)
+        in_flight = min(pp - stage, num_microbatches or pp)
+        items = _stage_items(dims, stage, kinds, pp, fused_lm_head)
+        optimizer_shards = (dp, expert_dp) if distributed_optimizer else (1, 1)
+        plans.append(MemoryPlan(
+            stage=stage, num_stages=pp, layer_kinds=kinds, first_layer=layers.start, params=params,
+            data_parallel_size=dp, expert_data_parallel_size=expert_dp,
+            distributed_optimizer=distributed_optimizer, micro_batches_in_flight=in_flight,
+            weights=WEIGHT_BYTES * params.total,
+            fp8_weight_cache=FP8_WEIGHT_CACHE_BYTES * params.gemm if precision == "fp8" else 0,
+            gradients=GRAD_BYTES * params.total,
+            optimizer_states=math.ceil(OPTIMIZER_BYTES * (params.dense / optimizer_shards[0]
+                                                         + params.expert / optimizer_shards[1])),
+            activations=_stage_activations(dims, kinds, layer_items, items, recompute, in_flight),
+            overhead=overhead_bytes, capacity=capacity_bytes,
+            layer_items={kind: layer_items[kind] for kind in sorted(set(kinds))}, stage_items=items,
+        ))
+    return plans
+
+
+def memory_plan(model: HybridModelConfig, parallel: ParallelConfig, world_size: int, micro_batch: int,
+                seq_len: int, recompute: str = "none", precision: str = "bf16", **options) -> MemoryPlan:
+    """The plan of the pipeline stage that needs the most memory (arguments as ``stage_plans``)."""
+    return max(stage_plans(model, parallel, world_size, micro_batch, seq_len, recompute, precision, **options),
+               key=lambda plan: plan.total)
+
+
+def human(count: int) -> str:
+    """456.1B, 29.7M, 1.1K: one decimal in the largest unit that keeps the number >= 1."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit}"
+    return str(count)
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+def mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def summary(plan: MemoryPlan, all_stages: list[MemoryPlan] | None = None) -> str:
+    """The readable report: the worst stage's components, its activation items, every stage's total."""
+    params = plan.params
+    last_layer = plan.first_layer + len(plan.layer_kinds) - 1
+    holds = [name for name, present in (("embedding", plan.stage == 0), ("LM head", plan.stage == plan.num_stages - 1))
+             if present]
+    lines = [
+        f"worst pipeline stage: {plan.stage} of {plan.num_stages} (layers {plan.first_layer}-{last_layer}: "
+        f"{plan.layer_kinds.count(LIGHTNING)} lightning, {plan.layer_kinds.count(SOFTMAX)} softmax"
+        + (f"; {', '.join(holds)}" if holds else "") + ")",
+        f"  parameters per GPU  {params.total:>14,}  ({human(params.total)}: dense {human(params.dense)}, "
+        f"expert {human(params.expert)})",
+        f"  weights             {gib(plan.weights):>12}  (bf16, 2 bytes/param)",
+    ]
+    if plan.fp8_weight_cache:
+        lines.append(f"  fp8 weight cache    {gib(plan.fp8_weight_cache):>12}  (TE's fp8 copy and transpose of the "
+                     f"{human(params.gemm)} GEMM weights)")
+    lines += [
+        f"  gradients           {gib(plan.gradients):>12}  (fp32 buffer, 4 bytes/param)",
+        f"  optimizer states    {gib(plan.optimizer_states):>12}  (fp32 master + Adam m, v = 12 bytes/param; "
+        + (f"dense / DP {plan.data_parallel_size}, experts / expert DP {plan.expert_data_parallel_size})"
+           if plan.distributed_optimizer else "not sharded)"),
+        f"  activations         {gib(plan.activations):>12}  ({plan.micro_batches_in_flight} micro-batch(es) in flight)",
+        f"  fixed overhead      {gib(plan.overhead):>12}",
+        f"  total               {gib(plan.total):>12}  of {gib(plan.capacity)}: "
+        + ("fits" if plan.fits else "DOES NOT FIT") + f" ({gib(abs(plan.capacity - plan.total))} "
+        + ("free)" if plan.fits else "over)"),
+    ]
+    lines += activation_table(plan)
+    if all_stages and len(all_stages) > 1:
+        lines.append("every stage: " + ", ".join(f"{p.stage}: {gib(p.total)}" for p in all_stages))
+    return "\n".join(lines)
+
+
+def activation_table(plan: MemoryPlan) -> list[str]:
+    """The itemized activations of one micro-batch: each layer kind of the stage, then the stage's own."""
+    def row(name: str, none: float, selective: float, indent: int) -> str:
+        return f"{' ' * indent}{name:<{48 - indent}} {mib(none):>12} | {mib(selective)}"
+
+    lines = ["activations of one micro-batch (no recompute | selective):"]
+    for kind, items in plan.layer_items.items():
+        title = "each lightning layer" if kind == LIGHTNING else "each softmax layer"
+        lines.append(row(title, _mode_bytes(items, "none"), _mode_bytes(items, "selective"), 2))
+        lines += [row(item.name, item.none, item.selective, 4) for item in items]
+    if plan.stage_items:
+        lines.append("  this stage")
+        lines += [row(item.name, item.none, item.selective, 4) for item in plan.stage_items]
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="minimax-m1", choices=sorted(MODEL_SIZES), help="model size")
+    layout = parser.add_argument_group("parallel layout (world size = TP x PP x DP)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    layout.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    layout.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
+    layout.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    layout.add_argument("--sequence-parallel", action="store_true", help="shard norms and residuals over TP")
+    batch = parser.add_argument_group("batch")
+    batch.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    batch.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (prompt + response)")
+    batch.add_argument("--num-microbatches", type=int, default=None,
+                       help="micro-batches per step and DP rank (default: at least PP, 1F1B's steady state)")
+    memory = parser.add_argument_group("memory")
+    memory.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="activation recomputation")
+    memory.add_argument("--precision", default="bf16", choices=PRECISIONS, help="GEMM precision (weights stay bf16)")
+    memory.add_argument("--distributed-optimizer", action="store_true",
+                        help="shard optimizer states over the (expert-)data-parallel ranks")
+    memory.add_argument("--fused-lm-head", action="store_true",
+                        help="chunked fp32 LM head (never holds [tokens, V/TP] logits)")
+    memory.add_argument("--gpu-memory-gb", type=float, default=80.0, help="usable device memory, GiB")
+    memory.add_argument("--overhead-gb", type=float, default=DEFAULT_OVERHEAD_GIB,
+                        help="fixed overhead: CUDA context, NCCL buffers, fragmentation; GiB")
+    return parser.parse_args(argv)
+
+
+def describe_run(args: argparse.Namespace, plan: MemoryPlan) -> str:
+    """The layout and batch the plan is for, as two lines."""
+    world_size = args.tp * args.pp * args.dp
+    return (
+        f"{args.model} on {world_size} GPUs = TP {args.tp} x PP {args.pp} x DP {plan.data_parallel_size}; "
+        f"EP {args.ep}, expert TP {args.etp or args.tp}, expert DP {plan.expert_data_parallel_size}; "
+        f"sequence parallel {'on' if args.sequence_parallel else 'off'}\n"
+        f"micro-batch {args.micro_batch} x {args.seq_len} tokens, recompute {args.recompute}, precision "
+        f"{args.precision}, distributed optimizer {'on' if args.distributed_optimizer else 'off'}, LM head "
+        f"{'fused' if args.fused_lm_head else 'unfused (fp32 logits)'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world_size = args.tp * args.pp * args.dp
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
+        sequence_parallel=args.sequence_parallel,
+    )
+    try:
+        plans = stage_plans(
+            model_config(args.model), parallel, world_size, args.micro_batch, args.seq_len, args.recompute,
+            args.precision, distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
+            num_microbatches=args.num_microbatches, overhead_bytes=int(args.overhead_gb * GIB),
+            capacity_bytes=int(args.gpu_memory_gb * GIB),
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    worst = max(plans, key=lambda plan: plan.total)
+    print(describe_run(args, worst))
+    print(summary(worst, plans))
+    return 0 if worst.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
