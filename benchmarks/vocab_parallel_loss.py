@@ -57,14 +57,18 @@ def column_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group: Pr
     return F.linear(lm_head_input(hidden, group), weight)
 
 
-def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def naive_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup
+) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     logits = gather_from_tensor_model_parallel_region(column_parallel_logits(hidden, weight, group), group=group)
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # logits: [tokens, V]
 
 
-def unfused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def unfused_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup
+) -> torch.Tensor:
     return vocab_parallel_logprobs(column_parallel_logits(hidden, weight, group), targets, group)
 
 

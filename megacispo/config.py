@@ -101,6 +101,9 @@ class OptimizerConfig:
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 0
     """Linear warm-up from 0 over this many optimizer steps."""
+    decay_steps: int = 0
+    """Cosine decay to min_lr over this many optimizer steps (0: the whole run), like Megatron's
+    lr_decay_iters; set it to keep the schedule fixed when a run is extended or resumed longer."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from megatron.core import parallel_state
@@ -71,7 +71,7 @@ class Engine:
             max_lr=peak_lr,
             min_lr=opt.min_lr,
             lr_warmup_steps=opt.warmup_steps,
-            lr_decay_steps=max(total_steps, opt.warmup_steps + 1),
+            lr_decay_steps=max(opt.decay_steps or total_steps, opt.warmup_steps + 1),
             lr_decay_style="cosine",
             start_wd=opt.weight_decay,
             end_wd=opt.weight_decay,
@@ -123,6 +123,13 @@ class Engine:
             forward_only=forward_only,
         )
 
+    def padded_length(self, length: int) -> int:
+        """Sequence parallelism splits each sequence over the TP ranks: batches are right-padded to a
+        multiple of TP (padding is masked out of every loss)."""
+        parallel = self.config.parallel
+        multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+        return -(-length // multiple) * multiple
+
     def loss_scale_for_schedule(self, num_micro_batches: int) -> float:
         """Megatron's schedule divides each micro-batch loss by the number of micro-batches and DDP
         averages gradients over data-parallel ranks. Our losses are already normalized by the
@@ -143,7 +150,3 @@ class Engine:
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
-
-
-def split_micro_batches(items, micro_batch_size: int) -> Iterable:
-    return [items[i:i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]

@@ -30,6 +30,8 @@ _PHASE_KEY = re.compile(r"perf/time_([a-z0-9_]+)_s")
 
 # The console line: (key, label, format spec); keys absent from a step are left out.
 CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("sft/loss", "sft_loss", ".4f"),
+    ("eval/accuracy", "eval_acc", ".3f"),
     ("loss/policy_loss", "loss", ".4f"),
     ("rollout/reward_mean", "reward", ".3f"),
     ("rollout/accuracy", "acc", ".3f"),

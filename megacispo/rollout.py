@@ -91,6 +91,17 @@ def generate(
     parallelism (expert parallelism's all-to-all spans data-parallel ranks): they all decode until
     every one of them has finished, so each runs the same number of forward passes.
     """
+    was_training = model.training
+    # Decoding is inference: Megatron's MoE layer refuses TP without sequence parallelism in
+    # training mode, and the model switches sequence parallelism off for single-token steps.
+    model.eval()
+    try:
+        return _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress)
+    finally:
+        model.train(was_training)
+
+
+def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress) -> Samples:
     num_samples = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts])
     width = int(prompt_lengths.max())

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(1, sft.steps + 1):
         records = sampler.next_batch(per_rank * dp_size)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         batch = collate_sft([build_sft_example(tokenizer, r) for r in records], tokenizer.pad_id)
+        batch = _pad_to(batch, engine.padded_length(batch.input_ids.shape[1]), tokenizer.pad_id)
         size = config.train.micro_batch_size
         micro_batches = [_Micro(batch.input_ids[i:i + size], batch.labels[i:i + size], batch.loss_mask[i:i + size])
                          for i in range(0, per_rank, size)]
@@ -80,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     logger.close()
     destroy_distributed()
     return 0
+
+
+def _pad_to(batch, length: int, pad_id: int):
+    """Right-pad an SFTBatch's [b, T] tensors to ``length`` (padding is masked out of the loss)."""
+    extra = length - batch.input_ids.shape[1]
+    pad = torch.nn.functional.pad
+    return type(batch)(pad(batch.input_ids, (0, extra), value=pad_id), pad(batch.labels, (0, extra), value=pad_id),
+                       pad(batch.loss_mask, (0, extra), value=0.0))
 
 
 class _Micro:

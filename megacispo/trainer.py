@@ -214,7 +214,7 @@ class Trainer:
         return torch.Generator().manual_seed(seed)
 
     def _to_train_batch(self, chosen) -> TrainBatch:
-        width = max(s.tokens.shape[1] for s, _, _ in chosen)
+        width = self.engine.padded_length(max(s.tokens.shape[1] for s, _, _ in chosen))
 
         def pad(tensor: torch.Tensor, size: int, value) -> torch.Tensor:
             return torch.nn.functional.pad(tensor, (0, size - tensor.shape[1]), value=value)
@@ -331,11 +331,9 @@ class Trainer:
         records = self.test_records[self.dp_rank::self.dp_size]
         greedy = type(self.config.rollout)(**{**vars(self.config.rollout), "temperature": 0.0})
         prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records]
-        self.engine.train(False)
         samples = generate(self.engine.module, prompts, greedy, eos_id=self.tokenizer.eos_id,
                            pad_id=self.tokenizer.pad_id, generator=torch.Generator(),
                            lockstep_group=self.engine.dp_group)
-        self.engine.train(True)
         texts = [self._response_text(samples, row) for row in range(len(records))]
         rewards, _ = score_responses(self.reward_fn, texts, records, self.config.rl.failure_reward)
         correct = self._all_reduce_sum(float(sum(r >= 1.0 for r in rewards)))

@@ -154,7 +154,14 @@ def lightning_attention(
     initial_state None means zeros. Gradients flow to q, k, v and initial_state, not to decay.
     block_size: 256 as in the public code; on a CPU 64 to 128 is faster (docs/benchmarks.md).
     Returns (out [b, n, h, d], final_state).
+
+    CUDA tensors go to the Triton kernel (models/lightning_triton.py) with its own block size: a
+    256 x 256 score tile would spill registers there.
     """
+    if q.is_cuda:
+        from megacispo.models.lightning_triton import lightning_attention_triton
+
+        return lightning_attention_triton(q, k, v, decay, initial_state, cu_seqlens)
     _check_qkv(q, k, v)
     batch, seq_len, num_heads, head_dim = q.shape
     _check_decay(decay, num_heads)

@@ -332,7 +332,9 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
         for rows in _token_chunks(hidden.shape[0], ctx.chunk_size):
             chunk_hidden = hidden[rows].to(compute_dtype)  # [chunk, H]
             logits = chunk_hidden @ compute_weight.T
-            grad_logits = _grad_of_logits(logits, logsumexp[rows], local_targets[rows], owned[rows], grad_logprobs[rows])
+            grad_logits = _grad_of_logits(
+                logits, logsumexp[rows], local_targets[rows], owned[rows], grad_logprobs[rows]
+            )
             if need_hidden:
                 torch.mm(grad_logits, compute_weight, out=grad_hidden[rows])
             if need_weight:

@@ -5,7 +5,7 @@
 # Extra arguments go to pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$repo/tools/setup_env.sh"
+bash "$repo/tools/setup_env.sh" test
 cd "$repo"
 if [ "${1:-}" = "--slow" ]; then
     shift

@@ -165,7 +165,8 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.fp8_weight_cache + self.gradients + self.optimizer_states + self.activations + self.overhead
+        return (self.weights + self.fp8_weight_cache + self.gradients + self.optimizer_states + self.activations
+                + self.overhead)
 
     @property
     def fits(self) -> bool:
@@ -302,7 +303,9 @@ def layer_activation_items(dims: _Dims, kind: str) -> tuple[ActivationItem, ...]
     return tuple(_common_items(dims) + mixer + _moe_items(dims))
 
 
-def _stage_items(dims: _Dims, stage: int, kinds: str, num_stages: int, fused_lm_head: bool) -> tuple[ActivationItem, ...]:
+def _stage_items(
+    dims: _Dims, stage: int, kinds: str, num_stages: int, fused_lm_head: bool
+) -> tuple[ActivationItem, ...]:
     """Stage-level activations of one micro-batch: RoPE tables, pipeline boundary tensors, final
     norm and LM head."""
     hidden, tokens, sp = dims.model.hidden_size, dims.tokens, dims.sp
@@ -324,6 +327,8 @@ def _stage_items(dims: _Dims, stage: int, kinds: str, num_stages: int, fused_lm_
 
 
 def _lm_head_bytes(dims: _Dims, fused: bool) -> float:
+    """Peak bytes of the fp32 LM head and log-probs: the unfused head holds [T, V/TP] fp32 logits
+    (three at once, see the module docstring), the fused one a 64 MiB chunk at a time."""
     hidden, tokens = dims.model.hidden_size, dims.tokens
     weight_copy = FP32 * dims.vocab_shard * hidden
     if fused:
@@ -331,7 +336,8 @@ def _lm_head_bytes(dims: _Dims, fused: bool) -> float:
     return tokens * (FP32 * hidden / dims.sp + 3 * FP32 * dims.vocab_shard) + weight_copy
 
 
-def _mode_bytes(items, recompute: str) -> float:
+def activation_bytes(items: tuple[ActivationItem, ...], recompute: str) -> float:
+    """Bytes of ``items`` under ``recompute`` none or selective (full recompute is per stage)."""
     return sum(item.selective if recompute == "selective" else item.none for item in items)
 
 
@@ -339,12 +345,12 @@ def _stage_activations(
     dims: _Dims, kinds: str, layer_items: dict, stage_items: tuple, recompute: str, in_flight: int
 ) -> int:
     """Peak activation bytes of a stage holding ``in_flight`` micro-batches."""
-    head_and_boundaries = _mode_bytes(stage_items, "none" if recompute == "full" else recompute)
+    head_and_boundaries = activation_bytes(stage_items, "none" if recompute == "full" else recompute)
     if recompute == "full":
         checkpoints = len(kinds) * dims.tokens * ACTIVATION_BYTES * dims.model.hidden_size / dims.sp
-        rebuilt_layer = max(_mode_bytes(layer_items[kind], "none") for kind in set(kinds))
+        rebuilt_layer = max(activation_bytes(layer_items[kind], "none") for kind in set(kinds))
         return math.ceil(in_flight * (checkpoints + head_and_boundaries) + rebuilt_layer)
-    layers = sum(_mode_bytes(layer_items[kind], recompute) for kind in kinds)
+    layers = sum(activation_bytes(layer_items[kind], recompute) for kind in kinds)
     return math.ceil(in_flight * (layers + head_and_boundaries))
 
 
@@ -463,7 +469,8 @@ def summary(plan: MemoryPlan, all_stages: list[MemoryPlan] | None = None) -> str
         f"  optimizer states    {gib(plan.optimizer_states):>12}  (fp32 master + Adam m, v = 12 bytes/param; "
         + (f"dense / DP {plan.data_parallel_size}, experts / expert DP {plan.expert_data_parallel_size})"
            if plan.distributed_optimizer else "not sharded)"),
-        f"  activations         {gib(plan.activations):>12}  ({plan.micro_batches_in_flight} micro-batch(es) in flight)",
+        f"  activations         {gib(plan.activations):>12}  (micro-batches in flight: "
+        f"{plan.micro_batches_in_flight})",
         f"  fixed overhead      {gib(plan.overhead):>12}",
         f"  total               {gib(plan.total):>12}  of {gib(plan.capacity)}: "
         + ("fits" if plan.fits else "DOES NOT FIT") + f" ({gib(abs(plan.capacity - plan.total))} "
@@ -483,7 +490,7 @@ def activation_table(plan: MemoryPlan) -> list[str]:
     lines = ["activations of one micro-batch (no recompute | selective):"]
     for kind, items in plan.layer_items.items():
         title = "each lightning layer" if kind == LIGHTNING else "each softmax layer"
-        lines.append(row(title, _mode_bytes(items, "none"), _mode_bytes(items, "selective"), 2))
+        lines.append(row(title, activation_bytes(items, "none"), activation_bytes(items, "selective"), 2))
         lines += [row(item.name, item.none, item.selective, 4) for item in items]
     if plan.stage_items:
         lines.append("  this stage")

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# CISPO RL across nodes with plain torchrun: run this script once on EVERY node, with the same
+# MASTER_ADDR / MASTER_PORT / RUN_ID and its own NODE_RANK. The c10d rendezvous on MASTER_ADDR
+# waits for all NNODES nodes, then assigns the ranks.
+#
+#   MASTER_ADDR=node001 NODE_RANK=0 bash examples/train_multi_node.sh    # on node001
+#   MASTER_ADDR=node001 NODE_RANK=1 bash examples/train_multi_node.sh    # on node002, ...
+#
+# Environment variables (defaults in brackets); an empty override keeps the config's value:
+#   NNODES [64]  NODE_RANK [0]  GPUS_PER_NODE [8]    world size = NNODES x GPUS_PER_NODE
+#   MASTER_ADDR [localhost]  MASTER_PORT [29500]     the rendezvous endpoint (any one of the nodes)
+#   RUN_ID [megacispo]                                rendezvous id, the same on every node
+#   CONFIG [examples/configs/minimax_m1_512gpu.yaml]
+#   MODULE [megacispo.train]      or megacispo.sft for the supervised warm start
+#   TORCHRUN [torchrun]           e.g. .venv/bin/torchrun
+#   TP, PP, EP, ETP, SP           parallel layout overrides (SP = true | false)
+#   STEPS, LOSS, UPDATES_PER_ROLLOUT, MICRO_BATCH   RL overrides
+#   RUN_DIR, CHECKPOINT_EVERY     where TensorBoard logs and checkpoints go, and how often
+#   LOG_DIR [runs/minimax_m1/torchrun_logs]   per-rank logs in LOG_DIR/node<NODE_RANK>/<run>/attempt_0/<local rank>/
+#   CONSOLE_RANKS [0]             local ranks also shown on this node's console
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+: "${NNODES:=64}"
+: "${NODE_RANK:=0}"
+: "${GPUS_PER_NODE:=8}"
+: "${MASTER_ADDR:=localhost}"
+: "${MASTER_PORT:=29500}"
+: "${RUN_ID:=megacispo}"
+: "${CONFIG:=examples/configs/minimax_m1_512gpu.yaml}"
+: "${MODULE:=megacispo.train}"
+: "${TORCHRUN:=torchrun}"
+: "${LOG_DIR:=runs/minimax_m1/torchrun_logs}"
+: "${CONSOLE_RANKS:=0}"
+# Megatron-Core's tensor/sequence-parallel communication relies on kernels running in issue order.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+
+# Model: the size and its fields come from the config.
+ENTRY_ARGS=(--config "$CONFIG")
+# Parallel layout.
+ENTRY_ARGS+=(
+    ${TP:+--set "parallel.tensor_model_parallel_size=$TP"}
+    ${PP:+--set "parallel.pipeline_model_parallel_size=$PP"}
+    ${EP:+--set "parallel.expert_model_parallel_size=$EP"}
+    ${ETP:+--set "parallel.expert_tensor_parallel_size=$ETP"}
+    ${SP:+--set "parallel.sequence_parallel=$SP"}
+)
+# RL recipe.
+ENTRY_ARGS+=(
+    ${STEPS:+--set "train.steps=$STEPS"}
+    ${LOSS:+--set "rl.loss.name=$LOSS"}
+    ${UPDATES_PER_ROLLOUT:+--set "rl.updates_per_rollout=$UPDATES_PER_ROLLOUT"}
+    ${MICRO_BATCH:+--set "train.micro_batch_size=$MICRO_BATCH"}
+)
+# Logging and checkpoints.
+ENTRY_ARGS+=(
+    ${RUN_DIR:+--set "train.run_dir=$RUN_DIR"}
+    ${CHECKPOINT_EVERY:+--set "train.checkpoint_every=$CHECKPOINT_EVERY"}
+)
+# One log directory per node: the nodes may share a file system.
+node_log_dir="$LOG_DIR/node$NODE_RANK"
+LAUNCH_ARGS=(
+    --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID"
+    --log-dir "$node_log_dir" --redirects 3 --tee 3 --local-ranks-filter "$CONSOLE_RANKS"
+)
+
+mkdir -p "$node_log_dir"
+exec "$TORCHRUN" "${LAUNCH_ARGS[@]}" -m "$MODULE" "${ENTRY_ARGS[@]}" "$@"

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# CISPO RL on one node: torchrun starts one process per GPU (8 x H100 / H200 by default).
+#
+#   bash examples/train_single_node.sh [extra arguments for the entry point, e.g. --resume]
+#
+# Environment variables (defaults in brackets); an empty override keeps the config's value:
+#   GPUS_PER_NODE [8]             processes (one per GPU); the world size the config's layout must divide
+#   CONFIG [examples/configs/single_node_8gpu.yaml]
+#   MODULE [megacispo.train]      or megacispo.sft for the supervised warm start
+#   TORCHRUN [torchrun]           e.g. .venv/bin/torchrun
+#   TP, PP, EP, ETP, SP           parallel layout overrides (SP = true | false)
+#   STEPS, LOSS, UPDATES_PER_ROLLOUT, MICRO_BATCH   RL overrides
+#   RUN_DIR, CHECKPOINT_EVERY     where TensorBoard logs and checkpoints go, and how often
+#   LOG_DIR [runs/single_node/torchrun_logs]   per-rank stdout / stderr (LOG_DIR/<run>/attempt_0/<rank>/)
+#   CONSOLE_RANKS [0]             local ranks also shown on the console
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+: "${GPUS_PER_NODE:=8}"
+: "${CONFIG:=examples/configs/single_node_8gpu.yaml}"
+: "${MODULE:=megacispo.train}"
+: "${TORCHRUN:=torchrun}"
+: "${LOG_DIR:=runs/single_node/torchrun_logs}"
+: "${CONSOLE_RANKS:=0}"
+# Megatron-Core's tensor/sequence-parallel communication relies on kernels running in issue order.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+
+# Model: the size and its fields come from the config.
+ENTRY_ARGS=(--config "$CONFIG")
+# Parallel layout.
+ENTRY_ARGS+=(
+    ${TP:+--set "parallel.tensor_model_parallel_size=$TP"}
+    ${PP:+--set "parallel.pipeline_model_parallel_size=$PP"}
+    ${EP:+--set "parallel.expert_model_parallel_size=$EP"}
+    ${ETP:+--set "parallel.expert_tensor_parallel_size=$ETP"}
+    ${SP:+--set "parallel.sequence_parallel=$SP"}
+)
+# RL recipe.
+ENTRY_ARGS+=(
+    ${STEPS:+--set "train.steps=$STEPS"}
+    ${LOSS:+--set "rl.loss.name=$LOSS"}
+    ${UPDATES_PER_ROLLOUT:+--set "rl.updates_per_rollout=$UPDATES_PER_ROLLOUT"}
+    ${MICRO_BATCH:+--set "train.micro_batch_size=$MICRO_BATCH"}
+)
+# Logging and checkpoints.
+ENTRY_ARGS+=(
+    ${RUN_DIR:+--set "train.run_dir=$RUN_DIR"}
+    ${CHECKPOINT_EVERY:+--set "train.checkpoint_every=$CHECKPOINT_EVERY"}
+)
+LAUNCH_ARGS=(
+    --standalone --nproc-per-node "$GPUS_PER_NODE"
+    --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter "$CONSOLE_RANKS"
+)
+
+mkdir -p "$LOG_DIR"
+exec "$TORCHRUN" "${LAUNCH_ARGS[@]}" -m "$MODULE" "${ENTRY_ARGS[@]}" "$@"

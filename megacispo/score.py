@@ -1,0 +1,263 @@
+"""Score token sequences with a checkpoint: per-token log-probabilities of the model.
+
+    torchrun --nproc-per-node N -m megacispo.score --load CKPT --tokens in.jsonl --out out.jsonl \
+        [--tp T --pp 1 --ep E]
+
+Each input line is a JSON object with "tokens": [ids]; the output line is the same object plus
+"logprobs", where logprobs[i] = log p(tokens[i + 1] | tokens[: i + 1]) (length len(tokens) - 1),
+computed in fp32 from the model's vocab-sharded logits with vocab_parallel_logprobs over the TP
+group. --load is a megacispo checkpoint (a step_* directory, or a checkpoints root: its newest
+step) or a Hugging Face directory, which rank 0 first converts into a temporary directory beside
+--out with tools/convert_checkpoint.py. The sequences are split over the data-parallel ranks, one
+sequence per forward; rank 0 writes --out atomically. Pipeline parallelism is not supported
+(--pp must be 1). With TP > 1 the model runs with sequence parallelism, as megacispo trains it:
+each sequence is padded at its end to a multiple of TP (causal, so earlier positions do not see
+the padding; the MoE drops no tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONVERTER = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
+HF_CONFIG = "config.json"
+# torchrun's variables: the converter subprocess must start a world of its own.
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="megacispo checkpoint (step dir or root) or HF directory")
+    parser.add_argument("--tokens", required=True, help='input JSONL, one {"tokens": [ids]} per line')
+    parser.add_argument("--out", required=True, help="output JSONL (each input object plus logprobs)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (only 1 is supported)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    return parser
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return (path / HF_CONFIG).is_file() and not (path / "meta.json").is_file()
+
+
+def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any]]:
+    """The input objects; ValueError naming the line for anything that is not a non-empty list of
+    token ids in [0, vocab_size)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--tokens {path}: no such file.")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--tokens {path} line {number}: not JSON ({error}).") from None
+        tokens = record.get("tokens") if isinstance(record, dict) else None
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                   for t in tokens):
+            raise ValueError(f'--tokens {path} line {number}: expected {{"tokens": [ids]}} with at least one int id.')
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"--tokens {path} line {number}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})."
+            )
+        records.append(record)
+    if not records:
+        raise ValueError(f"--tokens {path}: no sequences in it.")
+    return records
+
+
+def model_config_of(load: str | os.PathLike):
+    """(HybridModelConfig, params dtype name) of --load, read before any process group exists."""
+    from megacispo.checkpoint import latest_checkpoint, read_meta
+    from megacispo.models import hf_names
+    from megacispo.models.config import HybridModelConfig
+
+    load = Path(load)
+    if is_hf_directory(load):
+        return hf_names.config_from_hf(json.loads((load / HF_CONFIG).read_text())), None
+    step_dir = load if (load / "meta.json").is_file() else latest_checkpoint(load)
+    if step_dir is None:
+        raise ValueError(
+            f"--load {load}: neither an HF directory (config.json), a megacispo checkpoint (meta.json) nor a "
+            f"checkpoints root with complete step_* directories."
+        )
+    meta = read_meta(step_dir)
+    if not meta.get("config") or "model" not in meta["config"]:
+        raise ValueError(f"--load {step_dir}: its meta.json has no config.model.")
+    return HybridModelConfig(**meta["config"]["model"]), meta.get("extra_state", {}).get("params_dtype", "float32")
+
+
+def parallel_config(args: argparse.Namespace, config, world_size: int):
+    from megacispo.models.config import model_shape
+    from megacispo.parallel.layout import ParallelConfig, validate_layout
+
+    if args.pp != 1:
+        raise ValueError(f"--pp {args.pp}: megacispo.score runs the whole model in each stage; use --pp 1.")
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep, sequence_parallel=args.tp > 1
+    )
+    validate_layout(parallel, world_size, model_shape(config))
+    return parallel
+
+
+def _convert_on_rank_zero(hf_dir: str, out: str) -> Path:
+    """Rank 0 converts the HF directory in a subprocess (a world of its own); every rank gets the
+    checkpoint's path. The caller removes its parent directory."""
+    holder: list[Any] = [None]
+    if torch.distributed.get_rank() == 0:
+        if not CONVERTER.is_file():
+            raise ValueError(
+                f"--load {hf_dir} is an HF directory, but {CONVERTER} is not there to convert it: convert it first "
+                f"with tools/convert_checkpoint.py hf-to-megatron and pass the result."
+            )
+        parent = Path(out).resolve().parent
+        scratch = Path(tempfile.mkdtemp(prefix=".tmp_score_", dir=parent))
+        env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}
+        command = [sys.executable, str(CONVERTER), "hf-to-megatron", "--hf-dir", hf_dir,
+                   "--out", str(scratch / "checkpoint"), "--no-progress"]
+        finished = subprocess.run(command, env=env, capture_output=True, text=True)
+        if finished.returncode != 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+            holder[0] = RuntimeError(f"converting {hf_dir} failed:\n{finished.stderr[-4000:]}")
+        else:
+            holder[0] = scratch / "checkpoint"
+    torch.distributed.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], Exception):
+        raise holder[0]
+    return holder[0]
+
+
+def _build_model(config, params_dtype: str, parallel):
+    from megacispo.models.config import transformer_config
+    from megacispo.models.model import HybridModel
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[params_dtype]
+    megatron_config = transformer_config(config, parallel, params_dtype=dtype)
+    # Every weight comes from the checkpoint: random initialization would only cost time.
+    megatron_config.perform_initialization = False
+    return HybridModel(config, megatron_config).eval()
+
+
+@torch.no_grad()
+def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor:
+    """[len(tokens) - 1] fp32 log-probs of each next token."""
+    from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    tp_size = torch.distributed.get_world_size(tp_group)
+    padded = -(-len(tokens) // tp_size) * tp_size if model.config.sequence_parallel else len(tokens)
+    input_ids = torch.zeros(1, padded, dtype=torch.long, device=device)
+    input_ids[0, : len(tokens)] = torch.tensor(tokens, device=device)
+    logits = model(input_ids)  # [1, padded, V/TP]
+    targets = input_ids[:, 1 : len(tokens)]
+    logprobs = vocab_parallel_logprobs(logits[:, : len(tokens) - 1].float(), targets, tp_group=tp_group)
+    return logprobs[0].cpu()
+
+
+def score(load: str, out: str, config, parallel, records: list[dict], params_dtype: str | None) -> None:
+    """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
+    from megatron.core import parallel_state
+
+    from megacispo.checkpoint import latest_checkpoint, load_checkpoint, read_meta
+
+    scratch = None
+    if is_hf_directory(load):
+        checkpoint_root = _convert_on_rank_zero(load, out)
+        scratch = checkpoint_root.parent
+        load = str(checkpoint_root)
+        params_dtype = None
+    try:
+        step_dir = Path(load) if (Path(load) / "meta.json").is_file() else latest_checkpoint(load)
+        if params_dtype is None:
+            params_dtype = read_meta(step_dir).get("extra_state", {}).get("params_dtype", "float32")
+        model = _build_model(config, params_dtype, parallel)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # RNG states of another layout: not used here
+            load_checkpoint(step_dir, model, load_rng=False)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        mine = list(range(dp_rank, len(records), dp_size))
+        rounds = -(-len(records) // dp_size)
+        results = {}
+        for position in range(rounds):
+            # Every rank runs the same number of forwards: the MoE's all-to-all spans DP ranks under EP.
+            index = mine[position] if position < len(mine) else None
+            tokens = records[index if index is not None else 0]["tokens"]
+            logprobs = _sequence_logprobs(model, tokens, tp_group)
+            if index is not None:
+                results[index] = logprobs.tolist()
+        gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+        torch.distributed.gather_object(results, gathered, dst=0)
+        if torch.distributed.get_rank() == 0:
+            merged = {index: logprobs for part in gathered for index, logprobs in part.items()}
+            assert len(merged) == len(records), "every record is scored by some rank"
+            _write_jsonl(out, [{**record, "logprobs": merged[i]} for i, record in enumerate(records)])
+        torch.distributed.barrier()
+    finally:
+        if scratch is not None and torch.distributed.get_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".tmp_{path.name}_", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            for record in records:
+                file.write(json.dumps(record) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Parse, validate before any work, score; leaves torch.distributed initialized (the model-parallel
+    state is torn down), so that one process can score several times (tests)."""
+    from megatron.core import parallel_state
+
+    from megacispo.cli import bad_input_exits
+    from megacispo.parallel.layout import init_distributed, world_size_from_env
+
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    with bad_input_exits():
+        config, params_dtype = model_config_of(args.load)
+        parallel = parallel_config(args, config, world_size_from_env())
+        records = read_records(args.tokens, config.vocab_size)
+    init_distributed(parallel, seed=0)
+    try:
+        score(args.load, args.out, config, parallel, records, params_dtype)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
