@@ -32,32 +32,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${TORCHRUN:=torchrun}"
 : "${LOG_DIR:=runs/minimax_m1/torchrun_logs}"
 : "${CONSOLE_RANKS:=0}"
-# Megatron-Core's tensor/sequence-parallel communication relies on kernels running in issue order.
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
-
-# Model: the size and its fields come from the config.
-ENTRY_ARGS=(--config "$CONFIG")
-# Parallel layout.
-ENTRY_ARGS+=(
-    ${TP:+--set "parallel.tensor_model_parallel_size=$TP"}
-    ${PP:+--set "parallel.pipeline_model_parallel_size=$PP"}
-    ${EP:+--set "parallel.expert_model_parallel_size=$EP"}
-    ${ETP:+--set "parallel.expert_tensor_parallel_size=$ETP"}
-    ${SP:+--set "parallel.sequence_parallel=$SP"}
-)
-# RL recipe.
-ENTRY_ARGS+=(
-    ${STEPS:+--set "train.steps=$STEPS"}
-    ${LOSS:+--set "rl.loss.name=$LOSS"}
-    ${UPDATES_PER_ROLLOUT:+--set "rl.updates_per_rollout=$UPDATES_PER_ROLLOUT"}
-    ${MICRO_BATCH:+--set "train.micro_batch_size=$MICRO_BATCH"}
-)
-# Logging and checkpoints.
-ENTRY_ARGS+=(
-    ${RUN_DIR:+--set "train.run_dir=$RUN_DIR"}
-    ${CHECKPOINT_EVERY:+--set "train.checkpoint_every=$CHECKPOINT_EVERY"}
-)
+source "$(dirname "${BASH_SOURCE[0]}")/entry_args.sh"
 # One log directory per node: the nodes may share a file system.
 node_log_dir="$LOG_DIR/node$NODE_RANK"
 LAUNCH_ARGS=(
