@@ -1,7 +1,7 @@
 """Score token sequences with a checkpoint: per-token log-probabilities of the model.
 
     torchrun --nproc-per-node N -m megacispo.score --load CKPT --tokens in.jsonl --out out.jsonl \
-        [--tp T --pp 1 --ep E]
+        [--tp T --pp P --ep E]
 
 Each input line is a JSON object with "tokens": [ids]; the output line is the same object plus
 "logprobs", where logprobs[i] = log p(tokens[i + 1] | tokens[: i + 1]) (length len(tokens) - 1),
@@ -9,8 +9,8 @@ computed in fp32 from the model's vocab-sharded logits with vocab_parallel_logpr
 group. --load is a megacispo checkpoint (a step_* directory, or a checkpoints root: its newest
 step) or a Hugging Face directory, which rank 0 first converts into a temporary directory beside
 --out with tools/convert_checkpoint.py. The sequences are split over the data-parallel ranks, one
-sequence per forward; rank 0 writes --out atomically. Pipeline parallelism is not supported
-(--pp must be 1). With TP > 1 the model runs with sequence parallelism, as megacispo trains it:
+sequence per forward; rank 0 writes --out atomically. The forward runs through Megatron's schedule, so
+--pp > 1 splits the layers into stages. With TP > 1 the model runs with sequence parallelism, as megacispo trains it:
 each sequence is padded at its end to a multiple of TP (causal, so earlier positions do not see
 the padding; the MoE drops no tokens).
 """
@@ -32,9 +32,10 @@ import torch
 
 CONVERTER = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
 HF_CONFIG = "config.json"
-# torchrun's variables: the converter subprocess must start a world of its own.
-DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+# torchrun's variables: the converter subprocess must start a world of its own (with
+# TORCHELASTIC_USE_AGENT_STORE it would wait for torchrun's store).
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                   "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", required=True, help='input JSONL, one {"tokens": [ids]} per line')
     parser.add_argument("--out", required=True, help="output JSONL (each input object plus logprobs)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (only 1 is supported)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     return parser
 
@@ -107,10 +108,9 @@ def parallel_config(args: argparse.Namespace, config, world_size: int):
     from megacispo.models.config import model_shape
     from megacispo.parallel.layout import ParallelConfig, validate_layout
 
-    if args.pp != 1:
-        raise ValueError(f"--pp {args.pp}: megacispo.score runs the whole model in each stage; use --pp 1.")
     parallel = ParallelConfig(
-        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep, sequence_parallel=args.tp > 1
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep,
+        sequence_parallel=args.tp > 1,
     )
     validate_layout(parallel, world_size, model_shape(config))
     return parallel
@@ -128,7 +128,10 @@ def _convert_on_rank_zero(hf_dir: str, out: str) -> Path:
             )
         parent = Path(out).resolve().parent
         scratch = Path(tempfile.mkdtemp(prefix=".tmp_score_", dir=parent))
-        env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}
+        env = {
+            name: value for name, value in os.environ.items()
+            if name not in DISTRIBUTED_ENV and not name.startswith("TORCHELASTIC_")
+        }
         command = [sys.executable, str(CONVERTER), "hf-to-megatron", "--hf-dir", hf_dir,
                    "--out", str(scratch / "checkpoint"), "--no-progress"]
         finished = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -144,6 +147,8 @@ def _convert_on_rank_zero(hf_dir: str, out: str) -> Path:
 
 
 def _build_model(config, params_dtype: str, parallel):
+    from megatron.core import parallel_state
+
     from megacispo.models.config import transformer_config
     from megacispo.models.model import HybridModel
 
@@ -151,12 +156,18 @@ def _build_model(config, params_dtype: str, parallel):
     megatron_config = transformer_config(config, parallel, params_dtype=dtype)
     # Every weight comes from the checkpoint: random initialization would only cost time.
     megatron_config.perform_initialization = False
-    return HybridModel(config, megatron_config).eval()
+    return HybridModel(
+        config, megatron_config, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    ).eval()
 
 
 @torch.no_grad()
-def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor:
-    """[len(tokens) - 1] fp32 log-probs of each next token."""
+def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | None:
+    """[len(tokens) - 1] fp32 log-probs of each next token on the last pipeline stage (None on
+    the others), through Megatron's schedule (forward only; 1F1B hands activations between stages)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -164,10 +175,20 @@ def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor:
     padded = -(-len(tokens) // tp_size) * tp_size if model.config.sequence_parallel else len(tokens)
     input_ids = torch.zeros(1, padded, dtype=torch.long, device=device)
     input_ids[0, : len(tokens)] = torch.tensor(tokens, device=device)
-    logits = model(input_ids)  # [1, padded, V/TP]
     targets = input_ids[:, 1 : len(tokens)]
-    logprobs = vocab_parallel_logprobs(logits[:, : len(tokens) - 1].float(), targets, tp_group=tp_group)
-    return logprobs[0].cpu()
+
+    def loss_func(logits: torch.Tensor):  # logits [1, padded, V/TP]
+        logprobs = vocab_parallel_logprobs(logits[:, : len(tokens) - 1].float(), targets, tp_group=tp_group)
+        return logits.new_zeros(()), {"logprobs": logprobs[0].cpu()}
+
+    def forward_step(data_iterator, model_chunk):
+        return model_chunk(next(data_iterator)), loss_func
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([input_ids]), model=[model], num_microbatches=1,
+        seq_length=padded, micro_batch_size=1, forward_only=True,
+    )
+    return outputs[0]["logprobs"] if outputs else None
 
 
 def score(load: str, out: str, config, parallel, records: list[dict], params_dtype: str | None) -> None:
@@ -201,7 +222,7 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
             index = mine[position] if position < len(mine) else None
             tokens = records[index if index is not None else 0]["tokens"]
             logprobs = _sequence_logprobs(model, tokens, tp_group)
-            if index is not None:
+            if index is not None and logprobs is not None:
                 results[index] = logprobs.tolist()
         gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
         torch.distributed.gather_object(results, gathered, dst=0)

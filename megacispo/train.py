@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(config, total_steps=config.train.steps * config.rl.updates_per_rollout, peak_lr=config.optimizer.lr)
     logger = MetricsLogger(config.train.run_dir, enabled=is_logging_rank())
     trainer = Trainer(config, engine, tokenizer, train_records, test_records, logger)
-    resumed = args.resume and trainer.resume()
-    if args.resume and not resumed and logger.enabled:
-        print(f"--resume: no checkpoint under {Path(config.train.run_dir) / 'checkpoints'}; starting fresh")
+    if not (args.resume and trainer.resume()):
+        if args.resume and logger.enabled:
+            print(f"--resume: no checkpoint under {Path(config.train.run_dir) / 'checkpoints'}; starting fresh")
+        trainer.load_initial_weights()
     accuracy = trainer.fit()
     if logger.enabled:
         print(f"held-out accuracy: {accuracy['before']:.3f} before RL, {accuracy['after']:.3f} after")

@@ -112,8 +112,6 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train to config.train.steps; returns the held-out accuracy before and after."""
         signal.signal(signal.SIGTERM, self._request_stop)
-        if self.config.train.load:
-            self._restore(self.config.train.load, resume=False)
         accuracy = {"before": self.evaluate()}
         self.logger.log(self.step, {"eval/accuracy": accuracy["before"]})
         while self.step < self.config.train.steps and not self._stop_requested:
@@ -126,6 +124,8 @@ class Trainer:
             if self.config.train.checkpoint_every and self.step % self.config.train.checkpoint_every == 0:
                 self.save()
         self.save()
+        if self._stop_requested:
+            return {**accuracy, "after": float("nan")}
         accuracy["after"] = self.evaluate()
         self.logger.log(self.step, {"eval/accuracy": accuracy["after"]})
         return accuracy
@@ -348,6 +348,11 @@ class Trainer:
                          "num_skipped_updates": self.num_skipped_updates},
             config_dict=to_dict(self.config), keep_last=self.config.train.keep_last,
         )
+
+    def load_initial_weights(self) -> None:
+        """The weights a fresh run starts from: train.load (e.g. the SFT checkpoint), if set."""
+        if self.config.train.load:
+            self._restore(self.config.train.load, resume=False)
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint of the run directory, if there is one."""

@@ -12,10 +12,11 @@ VOCAB = 6
 EOS, PAD = 2, 0
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(torch.nn.Module):
     """Emits, at generation step t, the logits ``script[t]`` for every sequence."""
 
     def __init__(self, script: list[list[float]]):
+        super().__init__()
         self.script = torch.tensor(script)
         self.calls = 0
 
@@ -70,6 +71,7 @@ def test_eos_ends_a_response_and_masks_line_up():
     assert samples.loss_mask[1].tolist() == [0.0, 1.0, 1.0, 0.0]
     assert samples.rollout_logprobs[1, 0] == 0 and samples.rollout_logprobs[1, 1] > -1e-3
     assert policy.calls == 1  # stopped as soon as every sequence had finished
+    assert policy.training  # generation switches to eval mode and back
 
 
 def test_early_truncation_after_n_confident_tokens():

@@ -1,0 +1,266 @@
+"""Checkpoint conversion (tools/convert_checkpoint.py) and scoring (megacispo.score) against Hugging Face
+transformers: a tiny random MiniMaxForCausalLM (MODEL.md's config, large random weights) is saved
+with save_pretrained, converted to a megacispo checkpoint, scored at TP = 1 (EP = 1 and EP = 2) and
+TP = 2 (sequence parallel, converted on the fly from the HF directory) and PP = 2, and the per-token log-probs
+equal transformers' to 1e-4 (fp32). The round trip HF -> megatron -> HF gives bit-identical tensors
+that transformers loads; the fused expert layout (sharded, with an index) converts to the same
+checkpoint; broken inputs fail naming the tensor and the file and leave nothing behind.
+
+rotary_dim = head_dim because HF rotates whole heads (as in test_model_hf_parity).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacispo.parallel.multiprocess import run_distributed
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-4
+SEQUENCES = [
+    [1, 5, 9, 200, 511, 3, 7],
+    [4],
+    list(range(10, 51)),  # 41 tokens: two lightning blocks of 16 and a partial one; odd under TP = 2
+    [300, 2, 2, 2, 17, 99, 420, 8, 8, 64, 128, 256, 0, 511, 33, 1, 1, 1, 5, 6],
+]
+DERIVED = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+
+def _converter():
+    """tools/ holds scripts, not a package: load the converter by path."""
+    spec = importlib.util.spec_from_file_location("megacispo_tools_convert", REPO_ROOT / "tools" / "convert_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _hf_model():
+    from test_model_hf_parity import _hf_config, _randomize
+    from transformers import MiniMaxForCausalLM
+
+    model = MiniMaxForCausalLM(_hf_config()).eval()
+    _randomize(model)
+    return model
+
+
+def _write_fused_sharded(model, directory: Path) -> None:
+    """The fused (in-memory) expert layout, split into two shards listed by an index."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    model.config.to_json_file(directory / "config.json")
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    names = sorted(state)
+    weight_map = {}
+    for number, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        file_name = f"model-{number + 1:05d}-of-00002.safetensors"
+        save_file({name: state[name] for name in part}, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _hf_logprobs(model) -> list[torch.Tensor]:
+    """transformers' log p(tokens[i + 1] | tokens[: i + 1]), fp64 softmax of its fp32 logits."""
+    out = []
+    with torch.no_grad():
+        for tokens in SEQUENCES:
+            ids = torch.tensor(tokens)[None]
+            logprobs = torch.log_softmax(model(ids).logits.double(), dim=-1)[0, :-1]
+            out.append(logprobs.gather(-1, ids[0, 1:, None])[:, 0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    model = _hf_model()
+    model.save_pretrained(root / "hf_legacy")
+    _write_fused_sharded(model, root / "hf_fused")
+    (root / "tokens.jsonl").write_text("".join(json.dumps({"tokens": t, "id": i}) + "\n" for i, t in enumerate(SEQUENCES)))
+    return {"root": root, "hf_logprobs": _hf_logprobs(model), "hf_model": model}
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion, in one process
+
+
+def _broken_copies(root: Path) -> dict[str, tuple[Path, str, str]]:
+    """name -> (HF dir, the tensor and the file the error must name)."""
+    from safetensors.torch import load_file, save_file
+
+    broken = {}
+    missing = root / "missing_shard"
+    shutil.copytree(root / "hf_fused", missing)
+    (missing / "model-00002-of-00002.safetensors").unlink()
+    index = json.loads((missing / "model.safetensors.index.json").read_text())
+    first_lost = next(n for n, f in sorted(index["weight_map"].items()) if f == "model-00002-of-00002.safetensors")
+    broken["missing_shard"] = (missing, first_lost, "model-00002-of-00002.safetensors")
+    for name, change in (("wrong_shape", "model.layers.3.self_attn.out_proj.weight"),
+                         ("unknown_key", "model.layers.2.self_attn.extra_proj.weight")):
+        directory = root / name
+        shutil.copytree(root / "hf_legacy", directory)
+        tensors = load_file(str(directory / "model.safetensors"))
+        if name == "wrong_shape":
+            tensors[change] = torch.zeros(tensors[change].shape[0], tensors[change].shape[1] + 1)
+        else:
+            tensors[change] = torch.zeros(3, 3)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        broken[name] = (directory, change, "model.safetensors")
+    return broken
+
+
+def _convert_all(root: str) -> dict:
+    root = Path(root)
+    convert = _converter()
+    convert.hf_to_megatron(root / "hf_legacy", root / "ckpt_legacy", ep=2, progress=False)
+    convert.hf_to_megatron(root / "hf_fused", root / "ckpt_fused", progress=False)
+    convert.megatron_to_hf(root / "ckpt_legacy", root / "hf_back", max_shard_bytes=1_000_000, progress=False)
+    full = {name: convert.full_tensors(convert.load_single_process(root / name)[0]) for name in ("ckpt_legacy", "ckpt_fused")}
+    errors = {}
+    for name, (directory, tensor_name, file_name) in _broken_copies(root).items():
+        out = root / f"out_{name}"
+        try:
+            convert.hf_to_megatron(directory, out, progress=False)
+        except ValueError as error:
+            errors[name] = {"message": str(error), "tensor": tensor_name, "file": file_name, "out_exists": out.exists()}
+        leftovers = [p.name for p in root.iterdir() if p.name.startswith(f".tmp_out_{name}")]
+        errors.setdefault(name, {"message": None})["leftovers"] = leftovers
+    return {"full": full, "errors": errors}
+
+
+@pytest.fixture(scope="module")
+def converted(workspace):
+    (result,) = run_distributed(_convert_all, 1, str(workspace["root"]))
+    return result
+
+
+def test_round_trip_is_bit_identical(workspace, converted):
+    from safetensors.torch import load_file
+
+    root = workspace["root"]
+    original = load_file(str(root / "hf_legacy" / "model.safetensors"))
+    index = json.loads((root / "hf_back" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1, "max_shard_bytes must split the tiny model"
+    back = {}
+    for file_name in files:
+        back.update(load_file(str(root / "hf_back" / file_name)))
+    assert back.keys() == {name for name in original if not name.endswith(DERIVED)}
+    for name, tensor in back.items():
+        assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
+
+
+def test_transformers_loads_the_round_trip(workspace, converted):
+    from transformers import MiniMaxForCausalLM
+
+    reloaded = MiniMaxForCausalLM.from_pretrained(workspace["root"] / "hf_back").eval()
+    ids = torch.tensor(SEQUENCES[2])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, workspace["hf_model"](ids).logits, rtol=0, atol=0)
+
+
+def test_both_expert_layouts_give_the_same_checkpoint(converted):
+    legacy, fused = converted["full"]["ckpt_legacy"], converted["full"]["ckpt_fused"]
+    assert legacy.keys() == fused.keys()
+    for key in legacy:
+        assert torch.equal(legacy[key], fused[key]), key
+
+
+def test_conversion_records_the_layout(workspace, converted):
+    from megacispo.checkpoint import read_meta
+
+    meta = read_meta(workspace["root"] / "ckpt_legacy" / "step_00000000")
+    assert meta["config"]["parallel"]["expert_model_parallel_size"] == 2
+    assert meta["config"]["model"]["rotary_dim"] == meta["config"]["model"]["head_dim"] == 32
+    assert meta["extra_state"]["hf_experts_layout"] == "legacy"
+
+
+@pytest.mark.parametrize("case", ["missing_shard", "wrong_shape", "unknown_key"])
+def test_broken_input_names_tensor_and_file_and_leaves_nothing(converted, case):
+    error = converted["errors"][case]
+    assert error["message"] is not None, f"{case}: no ValueError"
+    assert error["tensor"] in error["message"] and error["file"] in error["message"], error["message"]
+    assert not error["out_exists"] and error["leftovers"] == []
+
+
+def test_existing_output_is_refused(workspace, converted):
+    with pytest.raises(ValueError, match="already exists"):
+        _converter().hf_to_megatron(workspace["root"] / "hf_legacy", workspace["root"] / "ckpt_legacy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring, in two processes
+
+
+def _score_all(root: str) -> None:
+    from megacispo import score
+
+    root = Path(root)
+    tokens = str(root / "tokens.jsonl")
+    score.run(["--load", str(root / "ckpt_legacy"), "--tokens", tokens, "--out", str(root / "scored_ep2.jsonl"),
+               "--ep", "2"])
+    score.run(["--load", str(root / "ckpt_fused" / "step_00000000"), "--tokens", tokens,
+               "--out", str(root / "scored_dp2.jsonl")])
+    score.run(["--load", str(root / "hf_legacy"), "--tokens", tokens, "--out", str(root / "scored_tp2.jsonl"),
+               "--tp", "2"])
+    score.run(["--load", str(root / "ckpt_legacy"), "--tokens", tokens, "--out", str(root / "scored_pp2.jsonl"),
+               "--pp", "2"])
+
+
+@pytest.fixture(scope="module")
+def scored(workspace, converted):
+    root = workspace["root"]
+    run_distributed(_score_all, 2, str(root))
+    return {
+        name: [json.loads(line) for line in (root / f"scored_{name}.jsonl").read_text().splitlines()]
+        for name in ("ep2", "dp2", "tp2", "pp2")
+    }
+
+
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2", "pp2"])
+def test_scores_equal_transformers(workspace, scored, layout):
+    records = scored[layout]
+    assert [r["id"] for r in records] == list(range(len(SEQUENCES)))
+    for record, tokens, reference in zip(records, SEQUENCES, workspace["hf_logprobs"]):
+        assert record["tokens"] == tokens
+        assert len(record["logprobs"]) == len(tokens) - 1
+        torch.testing.assert_close(torch.tensor(record["logprobs"], dtype=torch.float64), reference,
+                                   rtol=0, atol=TOLERANCE)
+
+
+def test_on_the_fly_conversion_leaves_no_scratch(workspace, scored):
+    assert not [p.name for p in workspace["root"].iterdir() if p.name.startswith(".tmp_score_")]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--pp", "3"], r"pipeline_model_parallel_size = 1 \* 3"),
+    (["--tp", "3"], r"pipeline_model_parallel_size = 3 \* 1"),
+])
+def test_score_refuses_bad_layout_before_work(workspace, converted, args, message):
+    from megacispo import score
+
+    root = workspace["root"]
+    with pytest.raises(SystemExit, match=message):
+        score.run(["--load", str(root / "ckpt_legacy"), "--tokens", str(root / "tokens.jsonl"),
+                   "--out", str(root / "never.jsonl"), *args])
+
+
+def test_score_refuses_token_outside_vocabulary(workspace, converted, tmp_path):
+    from megacispo import score
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2]}\n{"tokens": [3, 512]}\n')
+    with pytest.raises(SystemExit, match="line 2: token id 512"):
+        score.run(["--load", str(workspace["root"] / "ckpt_legacy"), "--tokens", str(bad),
+                   "--out", str(tmp_path / "never.jsonl")])
