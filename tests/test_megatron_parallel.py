@@ -8,6 +8,7 @@ import torch
 
 from megacispo.parallel.multiprocess import run_distributed
 from megacispo.parallel.sharded import assemble
+from parallel_case import assert_close_by_key, forward_backward, global_loss
 
 SEQ_LEN = 16
 VOCAB = 128
@@ -16,17 +17,13 @@ GLOBAL_BATCH = 8
 
 def _gpt_step(layout: dict, num_experts: int | None, num_microbatches: int, load_dir=None, save_dir=None):
     """One forward-backward of a tiny GPTModel over the fixed global batch, run in each rank."""
-    from functools import partial
-
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
     from megacispo.parallel.layout import ParallelConfig, init_distributed
-    from megacispo.parallel.sharded import gradient_pieces, parameter_pieces
 
     parallel = ParallelConfig(**layout)
     init_distributed(parallel, seed=1234)
@@ -53,47 +50,10 @@ def _gpt_step(layout: dict, num_experts: int | None, num_microbatches: int, load
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(7))
-    local = tokens.chunk(dp_size)[dp_rank]
-    micro_batches = iter(local.chunk(num_microbatches))
     position_ids = torch.arange(SEQ_LEN).unsqueeze(0)
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        # Cloned: the schedule divides the returned loss in place by the number of micro-batches.
-        return loss, {"lm loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(batch[:, :-1], position_ids, None, labels=batch[:, 1:])
-        return output, loss_func
-
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=micro_batches, model=[model],
-        num_microbatches=num_microbatches, seq_length=SEQ_LEN, micro_batch_size=local.shape[0] // num_microbatches,
-    )
-    loss = torch.stack([item["lm loss"] for item in losses]).mean() if losses else None
-    return {
-        "loss": loss,
-        "last_stage": parallel_state.is_pipeline_last_stage(),
-        "grads": gradient_pieces(model.module),
-        "params": parameter_pieces(model.module),
-    }
-
-
-def _loss(results) -> torch.Tensor:
-    """The global-batch loss: the mean over data-parallel replicas of the last stage's losses."""
-    return torch.stack([r["loss"] for r in results if r["last_stage"]]).mean()
-
-
-def _assert_close(expected: dict, actual: dict, what: str, rtol: float = 1e-5) -> None:
-    assert expected.keys() == actual.keys(), f"{what}: keys differ: {sorted(expected.keys() ^ actual.keys())}"
-    for key in expected:
-        scale = expected[key].abs().max().clamp_min(1e-8)
-        error = (expected[key] - actual[key]).abs().max() / scale
-        assert error <= rtol, f"{what} {key}: relative error {error:.2e} > {rtol:.0e}"
+    return forward_backward(
+        model, tokens, num_microbatches, lambda model, batch: model(batch[:, :-1], position_ids, None, labels=batch[:, 1:]))
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +82,8 @@ def test_layout_matches_single_process(reference, name):
     experts = 4 if model_kind == "moe" else None
     dp_size = world_size // layout.get("tensor_model_parallel_size", 1) // layout.get("pipeline_model_parallel_size", 1)
     results = run_distributed(_gpt_step, world_size, layout, experts, 4 // dp_size, load_dir=ckpt)
-    torch.testing.assert_close(_loss(results), expected["loss"], rtol=1e-5, atol=0)
-    _assert_close(assemble([expected["grads"]]), assemble([r["grads"] for r in results]), f"{name} grad")
+    torch.testing.assert_close(global_loss(results), expected["loss"], rtol=1e-5, atol=0)
+    assert_close_by_key(assemble([expected["grads"]]), assemble([r["grads"] for r in results]), f"{name} grad")
 
 
 def test_checkpoint_saved_at_tp2_loads_at_tp1(reference, tmp_path):
@@ -133,4 +93,4 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(reference, tmp_path):
     run_distributed(_gpt_step, 2, {"tensor_model_parallel_size": 2}, None, 4, load_dir=ckpt, save_dir=str(tp2_ckpt))
     (reloaded,) = run_distributed(_gpt_step, 1, {}, None, 4, load_dir=str(tp2_ckpt))
     torch.testing.assert_close(reloaded["loss"], expected["loss"], rtol=1e-6, atol=0)
-    _assert_close(assemble([expected["params"]]), assemble([reloaded["params"]]), "param", rtol=0)
+    assert_close_by_key(assemble([expected["params"]]), assemble([reloaded["params"]]), "param", rtol=0)

@@ -14,6 +14,7 @@ import torch
 
 from megacispo.parallel.multiprocess import run_distributed
 from megacispo.parallel.sharded import assemble
+from parallel_case import assert_close_by_key, forward_backward, global_loss
 
 SEQ_LEN = 32  # two lightning blocks of the tiny model
 GLOBAL_BATCH = 8
@@ -24,12 +25,10 @@ def _train_step(layout: dict, num_microbatches: int, load_dir: str | None = None
     """One forward-backward of the tiny model over the fixed global batch, run in each rank."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megacispo.models.config import model_config, model_shape, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.parallel.layout import ParallelConfig, init_distributed, validate_layout, world_size_from_env
-    from megacispo.parallel.sharded import gradient_pieces, parameter_pieces
 
     model_cfg = model_config("tiny")
     parallel = ParallelConfig(**layout)
@@ -47,46 +46,10 @@ def _train_step(layout: dict, num_microbatches: int, load_dir: str | None = None
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, model_cfg.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
-    local = tokens.chunk(dp_size)[dp_rank]
-    micro_batches = iter(local.chunk(num_microbatches))
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        # Cloned: the schedule divides the returned loss in place by the number of micro-batches.
-        return loss, {"lm loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        return model(batch[:, :-1], None, None, labels=batch[:, 1:]), loss_func
-
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=micro_batches, model=[model],
-        num_microbatches=num_microbatches, seq_length=SEQ_LEN, micro_batch_size=local.shape[0] // num_microbatches,
-    )
-    loss = torch.stack([item["lm loss"] for item in losses]).mean() if losses else None
-    return {
-        "loss": loss,
-        "last_stage": parallel_state.is_pipeline_last_stage(),
-        "grads": gradient_pieces(model.module),
-        "params": parameter_pieces(model.module),
-    }
-
-
-def _loss(results) -> torch.Tensor:
-    """The global-batch loss: the mean over data-parallel replicas of the last stage's losses."""
-    return torch.stack([r["loss"] for r in results if r["last_stage"]]).mean()
-
-
-def _assert_close(expected: dict, actual: dict, what: str, rtol: float = 1e-5) -> None:
-    assert expected.keys() == actual.keys(), f"{what}: keys differ: {sorted(expected.keys() ^ actual.keys())}"
-    for key in expected:
-        scale = expected[key].abs().max().clamp_min(1e-8)
-        error = (expected[key] - actual[key]).abs().max() / scale
-        assert error <= rtol, f"{what} {key}: relative error {error:.2e} > {rtol:.0e}"
+    return forward_backward(
+        model, tokens, num_microbatches, lambda model, batch: model(batch[:, :-1], None, None, labels=batch[:, 1:]))
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +82,6 @@ def test_layout_matches_single_process(reference, name):
     world_size = 2
     dp_size = world_size // layout.get("tensor_model_parallel_size", 1) // layout.get("pipeline_model_parallel_size", 1)
     results = run_distributed(_train_step, world_size, layout, NUM_MICROBATCHES // dp_size, load_dir=ckpt)
-    torch.testing.assert_close(_loss(results), expected["loss"], rtol=1e-5, atol=0)
-    _assert_close(assemble([expected["grads"]]), assemble([r["grads"] for r in results]), f"{name} grad")
-    _assert_close(assemble([expected["params"]]), assemble([r["params"] for r in results]), f"{name} param", rtol=0)
+    torch.testing.assert_close(global_loss(results), expected["loss"], rtol=1e-5, atol=0)
+    assert_close_by_key(assemble([expected["grads"]]), assemble([r["grads"] for r in results]), f"{name} grad")
+    assert_close_by_key(assemble([expected["params"]]), assemble([r["params"] for r in results]), f"{name} param", rtol=0)
