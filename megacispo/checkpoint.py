@@ -392,6 +392,20 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A step_* directory, or the newest complete one under a checkpoints root."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(
+            f"{path} is neither a megacispo checkpoint (no meta.json) nor a root holding complete step_* "
+            f"checkpoints: pass a step_* directory or its parent."
+        )
+    return latest
+
+
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's meta.json; ValueError naming the path when ``path`` is not a checkpoint."""
     path = Path(path)

@@ -195,7 +195,7 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
     """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import latest_checkpoint, load_checkpoint, read_meta
+    from megacispo.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
 
     scratch = None
     if is_hf_directory(load):
@@ -204,7 +204,7 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
         load = str(checkpoint_root)
         params_dtype = None
     try:
-        step_dir = Path(load) if (Path(load) / "meta.json").is_file() else latest_checkpoint(load)
+        step_dir = resolve_checkpoint(load)
         if params_dtype is None:
             params_dtype = read_meta(step_dir).get("extra_state", {}).get("params_dtype", "float32")
         model = _build_model(config, params_dtype, parallel)

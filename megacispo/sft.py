@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megacispo.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
     from megacispo.config import to_dict
     from megacispo.data import PromptSampler, build_sft_example, collate_sft
     from megacispo.engine import Engine
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr)
     if sft.load:
-        load_checkpoint(latest_checkpoint(sft.load) or sft.load, engine.module, load_rng=False)
+        load_checkpoint(resolve_checkpoint(sft.load), engine.module, load_rng=False)
     out_dir = Path(sft.out or Path(config.train.run_dir) / "sft")
     logger = MetricsLogger(str(out_dir), enabled=is_logging_rank())
     sampler = PromptSampler(pairs, seed=config.train.seed)

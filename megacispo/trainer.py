@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megacispo.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
-from megacispo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megacispo.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from megacispo.config import Config, to_dict
 from megacispo.data import PromptRecord, PromptSampler, encode_prompt
 from megacispo.engine import Engine
@@ -372,7 +372,7 @@ class Trainer:
             self.num_skipped_updates = extra["num_skipped_updates"]
         else:
             # train.load names a checkpoint, or a checkpoints folder whose newest one is meant.
-            load_checkpoint(latest_checkpoint(path) or path, self.engine.module, load_rng=False)
+            load_checkpoint(resolve_checkpoint(path), self.engine.module, load_rng=False)
 
     def _checkpoint_root(self) -> Path:
         return Path(self.config.train.run_dir) / "checkpoints"

@@ -313,7 +313,7 @@ def _assign(targets: dict[str, torch.Tensor], key: str, tensor: torch.Tensor, ma
 
 def load_single_process(ckpt: str | os.PathLike):
     """(model, config, meta) of a megacispo checkpoint (step dir or checkpoints root) in one process."""
-    from megacispo.checkpoint import load_checkpoint, read_meta
+    from megacispo.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
     from megacispo.models.config import HybridModelConfig
 
     step_dir = resolve_checkpoint(ckpt)
@@ -328,22 +328,6 @@ def load_single_process(ckpt: str | os.PathLike):
         warnings.simplefilter("ignore")
         load_checkpoint(step_dir, model, load_rng=False)
     return model, config, meta
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A step_* directory, or the newest complete one under a checkpoints root."""
-    from megacispo.checkpoint import latest_checkpoint
-
-    path = Path(path)
-    if (path / "meta.json").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise ValueError(
-            f"{path} is neither a megacispo checkpoint (no meta.json) nor a root holding complete step_* "
-            f"checkpoints: pass a step_* directory or its parent."
-        )
-    return latest
 
 
 def full_tensors(model) -> dict[str, torch.Tensor]:
