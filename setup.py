@@ -30,6 +30,8 @@ setup(
     extras_require={
         "fp8": ["transformer-engine[pytorch]"],
         # triton: the lightning-attention kernel is tested on the CPU through Triton's interpreter.
-        "test": ["pytest", "pytest-timeout", "transformers>=5.0", "safetensors", "triton==3.9.0"],
+        # matplotlib: tools/plot_runs.py (examples/compare_losses.sh).
+        "plot": ["matplotlib"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5.0", "safetensors", "triton==3.9.0", "matplotlib"],
     },
 )

@@ -47,7 +47,7 @@ def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def _sharded_metadata() -> dict[str, Any]:
+def sharded_metadata() -> dict[str, Any]:
     """What Megatron's ``sharded_state_dict`` methods are told about the format (a fresh dict per
     call: Megatron adds its data-parallel process group to it in place)."""
     return {
@@ -150,7 +150,7 @@ def _load_optimizer(optimizer, state: Any) -> None:
 
 
 def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict[str, Any]:
-    metadata = _sharded_metadata()
+    metadata = sharded_metadata()
     model_state = _unwrap(model).sharded_state_dict(metadata=metadata)
     state = {"model": model_state}
     if optimizer is not None:
@@ -277,17 +277,9 @@ def save_checkpoint(
         raise ValueError(f"keep_last = {keep_last}: keep at least 1 checkpoint, or pass None to keep all.")
     extra_state = _json_checked("extra_state", extra_state or {})
     config_dict = _json_checked("config_dict", config_dict)
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "world_size": _world_size(),
-        "parallel": parallel_layout(),
-        "has_optimizer": optimizer is not None,
-        "optimizer_sharding_type": OPTIMIZER_SHARDING_TYPE,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "extra_state": extra_state,
-        "config": config_dict,
-    }
+    meta = checkpoint_meta(step, has_optimizer=optimizer is not None,
+                           scheduler_state=scheduler.state_dict() if scheduler is not None else None,
+                           extra_state=extra_state, config_dict=config_dict)
     # Built before anything is written: it checks the model, and the distributed optimizer
     # gathers its state here (a collective on every rank).
     sharded_state = _sharded_state_dict(model, optimizer, is_loading=False)
@@ -309,12 +301,33 @@ def save_checkpoint(
     torch.save(_capture_rng(), _rng_file(temporary, rank))
     _barrier()
     if rank == 0:
-        _write_json(temporary / META_FILE, meta)
+        write_meta(temporary, meta)
         _publish(temporary, final)
         if keep_last is not None:
             _prune(root, keep_last)
     _barrier()
     return final
+
+
+def checkpoint_meta(step: int, *, has_optimizer: bool, scheduler_state: dict | None, extra_state: dict,
+                    config_dict: dict | None) -> dict[str, Any]:
+    """The contents of a checkpoint's meta.json (also written by megacispo.convert)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": _world_size(),
+        "parallel": parallel_layout(),
+        "has_optimizer": has_optimizer,
+        "optimizer_sharding_type": OPTIMIZER_SHARDING_TYPE,
+        "scheduler": scheduler_state,
+        "extra_state": extra_state,
+        "config": config_dict,
+    }
+
+
+def write_meta(directory: Path, meta: dict) -> None:
+    """meta.json, flushed to disk (written last: its presence marks a complete checkpoint)."""
+    _write_json(directory / META_FILE, meta)
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -9,6 +9,7 @@ import warnings
 
 from megacispo.config import Config, load_config
 from megacispo.models.config import model_shape, parameter_counts
+from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import validate_layout, world_size_from_env
 
 
@@ -35,7 +36,11 @@ def bad_input_exits():
 
 
 def start_up(args: argparse.Namespace) -> tuple[Config, int]:
-    """Parse and validate everything that can be checked before a process group exists."""
+    """Parse and validate everything that can be checked before a process group exists.
+
+    A run that asks for Transformer Engine (FP8) fails here when this machine lacks it, or lacks the
+    version its FP8 recipe needs; a dry run only plans, so it names the missing piece in the plan
+    instead (a login node without GPUs can check a GPU run's config)."""
     # Megatron-Core warns at import that Transformer Engine and apex are absent; on the CPU path that
     # is expected, and the warnings would bury the run's own output.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
@@ -44,7 +49,32 @@ def start_up(args: argparse.Namespace) -> tuple[Config, int]:
     config = load_config(args.config, overrides)
     world_size = world_size_from_env()
     validate_layout(config.parallel, world_size, model_shape(config.model))
+    if config.precision.transformer_engine and not args.dry_run:
+        require_transformer_engine(config.precision.fp8)
     return config, world_size
+
+
+def precision_plan(config: Config) -> str:
+    """One line on the weight dtype, FP8 and recompute, with what is missing here for Transformer Engine."""
+    precision, recompute = config.precision, config.recompute
+    if precision.fp8:
+        gemms = f"FP8 GEMMs ({precision.fp8} scaling) through Transformer Engine"
+    elif precision.transformer_engine:
+        gemms = "Transformer Engine layers"
+    else:
+        gemms = "local Megatron layers"
+    if precision.transformer_engine and not transformer_engine_installed():
+        gemms += f" [Transformer Engine is not installed here: {INSTALL_HINT}]"
+    if recompute.granularity == "full" and recompute.method == "block":
+        recomputed = f"full (block: the first {recompute.num_layers} layers of each stage)"
+    elif recompute.granularity == "full":
+        recomputed = "full (uniform: every layer)"
+    elif recompute.granularity == "selective":
+        recomputed = f"selective ({', '.join(recompute.modules)})"
+    else:
+        recomputed = "none"
+    return (f"precision: {precision.params_dtype} weights, {gemms}, LM head "
+            f"{'fp32' if config.model.fp32_lm_head else precision.params_dtype}; recompute {recomputed}")
 
 
 def plan(config: Config, world_size: int) -> str:
@@ -58,6 +88,7 @@ def plan(config: Config, world_size: int) -> str:
         f"layout: world {world_size} = TP {parallel.tensor_model_parallel_size} x PP {parallel.pipeline_model_parallel_size} "
         f"x DP {parallel.data_parallel_size(world_size)}; EP {parallel.expert_model_parallel_size}, "
         f"sequence parallel {parallel.sequence_parallel}",
+        precision_plan(config),
         f"loss: {config.rl.loss.name} {config.rl.loss.params}; {config.rl.updates_per_rollout} updates per rollout batch "
         f"of {config.rollout.prompts_per_step} prompts x {config.rollout.group_size} samples",
         f"run directory: {config.train.run_dir}",

@@ -13,7 +13,13 @@ from typing import Any
 
 import yaml
 
-from megacispo.models.config import HybridModelConfig, model_config
+from megacispo.models.config import (
+    HybridModelConfig,
+    PrecisionConfig,
+    RecomputeConfig,
+    check_precision_and_recompute,
+    model_config,
+)
 from megacispo.parallel.layout import ParallelConfig
 
 
@@ -152,6 +158,8 @@ class SFTConfig:
     """Prompt/answer pairs per optimizer step."""
     lr: float = 1e-3
     """Peak learning rate (warm-up then cosine decay, AdamW settings from optimizer)."""
+    decay_steps: int = 0
+    """Cosine decay over this many steps (0: sft.steps); more than sft.steps stops SFT part-way down the schedule."""
     load: str = ""
     """Start from this checkpoint (e.g. a converted Hugging Face model); empty: random initialization."""
     out: str = ""
@@ -166,6 +174,10 @@ class Config:
     """The model; in YAML, `size: tiny|small|minimax-m1` plus fields to override."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The parallel layout."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Weight dtype, Transformer Engine and FP8."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation recompute."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts and tokenizer."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -301,6 +313,9 @@ def validate_config(config: Config) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ValueError(f"{name} = {value}: it must be at least 1")
+    for name, value in {"optimizer.decay_steps": config.optimizer.decay_steps, "sft.decay_steps": config.sft.decay_steps}.items():
+        if value < 0:
+            raise ValueError(f"{name} = {value}: it must be >= 0 (0: decay over the whole run)")
     if rollout.group_size < 2:
         raise ValueError(f"rollout.group_size = {rollout.group_size}: group-relative advantages need at least 2")
     if rollout.temperature < 0:
@@ -324,6 +339,7 @@ def validate_config(config: Config) -> None:
             f"rl.overlong_cache_length = {rl.overlong_cache_length} exceeds rl.overlong_max_length = "
             f"{rl.overlong_max_length}: the ramp must fit below the limit"
         )
+    check_precision_and_recompute(config.model, config.parallel, config.precision, config.recompute)
 
 
 def to_dict(config: Config) -> dict:

@@ -23,6 +23,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megacispo.config import Config
 from megacispo.models.config import transformer_config
 from megacispo.models.model import HybridModel
+from megacispo.parallel.vocab_parallel import lm_head_input, lm_head_logprobs
 
 
 @dataclass
@@ -40,10 +41,14 @@ class StepResult:
 class Engine:
     """The policy on this rank, its optimizer and schedule, and micro-batched passes over it."""
 
-    def __init__(self, config: Config, total_steps: int, peak_lr: float):
+    def __init__(self, config: Config, total_steps: int, peak_lr: float, decay_steps: int = 0):
+        """total_steps: optimizer steps of the run; peak_lr: after warm-up (optimizer.warmup_steps);
+        decay_steps: cosine decay to optimizer.min_lr over this many steps (0: total_steps)."""
         self.config = config
         self.groups = ProcessGroupCollection.use_mpu_process_groups()
-        self.megatron_config = transformer_config(config.model, config.parallel)
+        self.megatron_config = transformer_config(
+            config.model, config.parallel, precision=config.precision, recompute=config.recompute
+        )
         self.megatron_config.finalize_model_grads_func = finalize_model_grads
         module = HybridModel(
             config.model,
@@ -51,9 +56,13 @@ class Engine:
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
+        bf16 = self.megatron_config.bf16
         self.model = DistributedDataParallel(
             self.megatron_config,
-            DistributedDataParallelConfig(use_distributed_optimizer=config.optimizer.use_distributed_optimizer),
+            # bf16 weights: gradients accumulate and are reduced in fp32 (M1's 1e-18..1e-5 gradients).
+            DistributedDataParallelConfig(
+                use_distributed_optimizer=config.optimizer.use_distributed_optimizer, grad_reduce_in_fp32=bf16
+            ),
             module,
         )
         opt = config.optimizer
@@ -62,6 +71,8 @@ class Engine:
                 optimizer="adam", lr=peak_lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
                 adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
                 clip_grad=opt.clip_grad, use_distributed_optimizer=opt.use_distributed_optimizer,
+                # bf16: the optimizer steps fp32 master copies of the bf16 weights.
+                bf16=bf16, params_dtype=self.megatron_config.params_dtype,
             ),
             [self.model],
         )
@@ -71,7 +82,7 @@ class Engine:
             max_lr=peak_lr,
             min_lr=opt.min_lr,
             lr_warmup_steps=opt.warmup_steps,
-            lr_decay_steps=max(opt.decay_steps or total_steps, opt.warmup_steps + 1),
+            lr_decay_steps=max(decay_steps or total_steps, opt.warmup_steps + 1),
             lr_decay_style="cosine",
             start_wd=opt.weight_decay,
             end_wd=opt.weight_decay,
@@ -123,6 +134,26 @@ class Engine:
             forward_only=forward_only,
         )
 
+    def token_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, compute_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [b, T] of ``targets`` under the tempered policy, and its entropy (detached, for
+        logging) or None. hidden: the model's final hidden states [S(/TP), b, H] (``model(input,
+        return_hidden_states=True)`` on the last stage); targets [b, T], T <= S: the token each of the
+        first T input positions predicts (the input shifted by one).
+
+        Through the fused LM head in fp32: each TP rank multiplies by its vocabulary shard a chunk of
+        tokens at a time, so the [b, S, V] logits are never held whole, not even one rank's shard.
+        """
+        head_input = lm_head_input(hidden, self.tp_group, self.megatron_config.sequence_parallel)
+        head_input = head_input[: targets.shape[1]]  # [T, b, H]
+        if temperature > 0:
+            # (h W^T) / T = (h / T) W^T: the tempered logits without touching the head.
+            head_input = head_input / temperature
+        logprobs, entropy = lm_head_logprobs(head_input, self.module.lm_head_weight, targets.T.contiguous(),
+                                             self.tp_group, compute_entropy=compute_entropy)  # [T, b]
+        return logprobs.T, None if entropy is None else entropy.T
+
     def padded_length(self, length: int) -> int:
         """Sequence parallelism splits each sequence over the TP ranks: batches are right-padded to a
         multiple of TP (padding is masked out of every loss)."""
@@ -139,6 +170,10 @@ class Engine:
 
     def step(self) -> StepResult:
         """Apply the accumulated gradients, unless their norm is not finite."""
+        # The norm is taken over the optimizer's gradients, which hold nothing until prepare_grads
+        # copies DDP's buffers in (into the fp32 master gradients with bf16 weights). step() repeats
+        # the copy; it is idempotent.
+        self.optimizer.prepare_grads()
         grad_norm = self.optimizer.get_grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(grad_norm):

@@ -8,8 +8,8 @@ Each input line is a JSON object with "tokens": [ids]; the output line is the sa
 computed in fp32 from the model's vocab-sharded logits with vocab_parallel_logprobs over the TP
 group. --load is a megacispo checkpoint (a step_* directory, or a checkpoints root: its newest
 step) or a Hugging Face directory, which rank 0 first converts into a temporary directory beside
---out with tools/convert_checkpoint.py. The sequences are split over the data-parallel ranks, one
-sequence per forward; rank 0 writes --out atomically. The forward runs through Megatron's schedule, so
+--out with megacispo.convert (in a subprocess: the converter needs a world of its own). The
+sequences are split over the data-parallel ranks, one sequence per forward; rank 0 writes --out atomically. The forward runs through Megatron's schedule, so
 --pp > 1 splits the layers into stages. With TP > 1 the model runs with sequence parallelism, as megacispo trains it:
 each sequence is padded at its end to a multiple of TP (causal, so earlier positions do not see
 the padding; the MoE drops no tokens).
@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-CONVERTER = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
+# The converter runs as `python -m CONVERTER_MODULE` (tools/convert_checkpoint.py is its command line).
+CONVERTER_MODULE = "megacispo.convert"
 HF_CONFIG = "config.json"
 # torchrun's variables: the converter subprocess must start a world of its own (with
 # TORCHELASTIC_USE_AGENT_STORE it would wait for torchrun's store).
@@ -121,18 +122,13 @@ def _convert_on_rank_zero(hf_dir: str, out: str) -> Path:
     checkpoint's path. The caller removes its parent directory."""
     holder: list[Any] = [None]
     if torch.distributed.get_rank() == 0:
-        if not CONVERTER.is_file():
-            raise ValueError(
-                f"--load {hf_dir} is an HF directory, but {CONVERTER} is not there to convert it: convert it first "
-                f"with tools/convert_checkpoint.py hf-to-megatron and pass the result."
-            )
         parent = Path(out).resolve().parent
         scratch = Path(tempfile.mkdtemp(prefix=".tmp_score_", dir=parent))
         env = {
             name: value for name, value in os.environ.items()
             if name not in DISTRIBUTED_ENV and not name.startswith("TORCHELASTIC_")
         }
-        command = [sys.executable, str(CONVERTER), "hf-to-megatron", "--hf-dir", hf_dir,
+        command = [sys.executable, "-m", CONVERTER_MODULE, "hf-to-megatron", "--hf-dir", hf_dir,
                    "--out", str(scratch / "checkpoint"), "--no-progress"]
         finished = subprocess.run(command, env=env, capture_output=True, text=True)
         if finished.returncode != 0:

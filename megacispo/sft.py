@@ -35,11 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from megacispo.losses import compute_global_counts
     from megacispo.metrics import MetricsLogger, is_logging_rank
     from megacispo.parallel.layout import destroy_distributed, init_distributed
-    from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
 
     sft = config.sft
     init_distributed(config.parallel, config.train.seed)
-    engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr)
+    engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr, decay_steps=sft.decay_steps)
     if sft.load:
         load_checkpoint(resolve_checkpoint(sft.load), engine.module, load_rng=False)
     out_dir = Path(sft.out or Path(config.train.run_dir) / "sft")
@@ -60,14 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         scale = engine.loss_scale_for_schedule(len(micro_batches))
 
         def forward_step(micro: _Micro, model):
-            logits = model(micro.tokens)
+            hidden = model(micro.tokens, return_hidden_states=True)
 
             def loss_func(output):
-                logprobs = vocab_parallel_logprobs(output.float(), micro.labels, engine.tp_group)
+                logprobs, _ = engine.token_logprobs(output, micro.labels)
                 loss = -(logprobs * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
                 return loss * scale, {"sft/loss": loss.detach().clone()}
 
-            return logits, loss_func
+            return hidden, loss_func
 
         outputs = engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
         loss = sum(float(o["sft/loss"]) for o in outputs)

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     from megacispo.trainer import Trainer
 
     init_distributed(config.parallel, config.train.seed)
-    engine = Engine(config, total_steps=config.train.steps * config.rl.updates_per_rollout, peak_lr=config.optimizer.lr)
+    engine = Engine(config, total_steps=config.train.steps * config.rl.updates_per_rollout, peak_lr=config.optimizer.lr,
+                    decay_steps=config.optimizer.decay_steps)
     logger = MetricsLogger(config.train.run_dir, enabled=is_logging_rank())
     trainer = Trainer(config, engine, tokenizer, train_records, test_records, logger)
     if not (args.resume and trainer.resume()):
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--resume: no checkpoint under {Path(config.train.run_dir) / 'checkpoints'}; starting fresh")
         trainer.load_initial_weights()
     accuracy = trainer.fit()
-    if logger.enabled:
+    if logger.enabled and trainer.stopped_by_signal:
+        print(f"SIGTERM: stopped after step {trainer.step} and saved its checkpoint; continue with --resume")
+    elif logger.enabled:
         print(f"held-out accuracy: {accuracy['before']:.3f} before RL, {accuracy['after']:.3f} after")
     logger.close()
     destroy_distributed()

@@ -22,7 +22,6 @@ from megacispo.data import PromptRecord, PromptSampler, encode_prompt
 from megacispo.engine import Engine
 from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
 from megacispo.metrics import MetricsLogger, Timer, moe_load_balance, pearson_correlation
-from megacispo.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megacispo.rewards import get_reward_fn, score_responses
 from megacispo.rollout import Samples, generate, response_token_ids
 from megacispo.tokenizer import Tokenizer
@@ -48,15 +47,6 @@ class TrainBatch:
 
     def slice(self, start: int, stop: int) -> TrainBatch:
         return TrainBatch(*(None if value is None else value[start:stop] for value in vars(self).values()))
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, tp_group) -> torch.Tensor:
-    """[b, S, V/TP] vocab-sharded logits -> [b, S - 1] log-probs of the next tokens, in fp32, under the
-    same tempered distribution the sampler drew from."""
-    logits = logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return vocab_parallel_logprobs(logits, tokens[:, 1:], tp_group)
 
 
 class ExpertLoadTracker:
@@ -106,6 +96,7 @@ class Trainer:
         self.num_skipped_updates = 0
         self.consumed_samples = 0
         self._stop_requested = False
+        self.stopped_by_signal = False
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -114,7 +105,7 @@ class Trainer:
         signal.signal(signal.SIGTERM, self._request_stop)
         accuracy = {"before": self.evaluate()}
         self.logger.log(self.step, {"eval/accuracy": accuracy["before"]})
-        while self.step < self.config.train.steps and not self._stop_requested:
+        while self.step < self.config.train.steps and not self._stop_agreed():
             metrics = self.rl_step()
             self.step += 1
             self.logger.log(self.step, metrics, consumed_samples=self.consumed_samples)
@@ -124,7 +115,7 @@ class Trainer:
             if self.config.train.checkpoint_every and self.step % self.config.train.checkpoint_every == 0:
                 self.save()
         self.save()
-        if self._stop_requested:
+        if self.stopped_by_signal:
             return {**accuracy, "after": float("nan")}
         accuracy["after"] = self.evaluate()
         self.logger.log(self.step, {"eval/accuracy": accuracy["after"]})
@@ -264,16 +255,18 @@ class Trainer:
     def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if self.config.rl.old_logprobs == "rollout":
             return batch.rollout_logprobs.clone()
-        temperature, tp_group = self.config.rollout.temperature, self.engine.tp_group
+        temperature = self.config.rollout.temperature
 
         def forward_step(micro: TrainBatch, model):
-            logits = model(micro.tokens)
-            return logits, lambda output: (output.sum() * 0, {"logprobs": token_logprobs(output, micro.tokens, temperature, tp_group)})
+            hidden = model(micro.tokens, return_hidden_states=True)
+            return hidden, lambda output: (
+                output.sum() * 0, {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], temperature)[0]})
 
         self.engine.train(False)
         outputs = self.engine.run_micro_batches(self._micro_batches(batch), forward_step, forward_only=True)
         self.engine.train(True)
-        return torch.cat([out["logprobs"] for out in outputs])
+        logprobs = torch.cat([out["logprobs"] for out in outputs]) if outputs else torch.empty_like(batch.rollout_logprobs)
+        return self._from_last_stage(logprobs)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """K optimizer steps, each on 1/K of the rollout batch (M1's off-policy updates)."""
@@ -288,28 +281,28 @@ class Trainer:
 
     def _update_once(self, mini_batch: TrainBatch) -> dict[str, float]:
         loss_config = self.config.rl.loss
-        temperature, tp_group = self.config.rollout.temperature, self.engine.tp_group
+        temperature = self.config.rollout.temperature
         micro_batches = self._micro_batches(mini_batch)
         counts = compute_global_counts([m.loss_mask for m in micro_batches], [m.old_logprobs for m in micro_batches],
                                        group=self.engine.dp_group)
         scale = self.engine.loss_scale_for_schedule(len(micro_batches))
 
         def forward_step(micro: TrainBatch, model):
-            logits = model(micro.tokens)
+            hidden = model(micro.tokens, return_hidden_states=True)
 
             def loss_func(output):
-                logprobs = token_logprobs(output, micro.tokens, temperature, tp_group)
+                logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], temperature,
+                                                                compute_entropy=True)
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
                                                     micro.loss_mask, counts, **loss_config.params)
-                with torch.no_grad():
-                    entropy = vocab_parallel_entropy(output[:, :-1].float(), tp_group)
-                    metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
+                metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
                 return loss * scale, metrics
 
-            return logits, loss_func
+            return hidden, loss_func
 
         outputs = self.engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
-        metrics = {key: float(value) for key, value in reduce_metrics(outputs, group=self.engine.dp_group).items()}
+        # Only the last pipeline stage computes the loss and its metrics (and only it logs).
+        metrics = {key: float(value) for key, value in reduce_metrics(outputs, group=self.engine.dp_group).items()} if outputs else {}
         result = self.engine.step()
         if not result.applied:
             self.num_skipped_updates += 1
@@ -381,6 +374,14 @@ class Trainer:
         # SIGTERM (a cluster's preemption): finish the current step, save, and exit cleanly.
         self._stop_requested = True
 
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got SIGTERM. The signal reaches ranks at different moments: deciding on
+        the flag of this rank alone would leave the others waiting in the next step's collectives."""
+        flag = torch.tensor(int(self._stop_requested))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stopped_by_signal = bool(flag)
+        return self.stopped_by_signal
+
     # -- collectives ----------------------------------------------------------------------------
 
     def _gather_over_dp(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -388,6 +389,15 @@ class Trainer:
         gathered: list = [None] * self.dp_size
         dist.all_gather_object(gathered, tensors, group=self.engine.dp_group)
         return [torch.cat(parts) for parts in zip(*gathered)]
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's ``tensor`` on every stage, in place: every stage holds the
+        rollouts and their bookkeeping, but only the last one computes log-probs."""
+        pp_group = self.engine.groups.pp
+        pp_size = dist.get_world_size(pp_group)
+        if pp_size > 1:
+            dist.broadcast(tensor, src=dist.get_global_rank(pp_group, pp_size - 1), group=pp_group)
+        return tensor
 
     def _all_reduce_sum(self, value: float) -> float:
         tensor = torch.tensor(value, dtype=torch.float64)

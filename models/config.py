@@ -4,12 +4,16 @@ sizes, the parameter count, and its translation to Megatron-Core's TransformerCo
 The layer pattern is a string of ``L`` (lightning attention) and ``S`` (softmax attention) repeated
 over the layers: MiniMax-M1's 80 layers are ``"LLLLLLLS"`` ten times (softmax attention at 0-based
 layers 7, 15, ..., 79).
+
+How the model computes (weight dtype, FP8 GEMMs through Transformer Engine, activation recompute)
+is not architecture: ``PrecisionConfig`` and ``RecomputeConfig`` hold it, and ``transformer_config``
+turns all three into Megatron-Core's TransformerConfig.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -225,23 +229,240 @@ def model_shape(config: HybridModelConfig) -> ModelShape:
     )
 
 
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Megatron-Core's fp8_recipe names; "tensorwise" is Transformer Engine's per-tensor current scaling.
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_FORMATS = ("hybrid", "e4m3")
+# Transformer Engine's default format per recipe (Float8BlockScaling and MXFP8BlockScaling use E4M3).
+DEFAULT_FP8_FORMAT = {"delayed": "hybrid", "tensorwise": "hybrid", "blockwise": "e4m3", "mxfp8": "e4m3"}
+FP8_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+# Megatron recompute_modules that the hybrid layers honour: MoELayer checkpoints itself ("moe"),
+# Transformer Engine's grouped experts recompute their SwiGLU ("moe_act"). Megatron's "core_attn" and
+# "layernorm" act inside its own TransformerLayer and attention, which this model does not use.
+SELECTIVE_RECOMPUTE_MODULES = ("moe", "moe_act")
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Numerics of training: the weight dtype and FP8 GEMMs through Transformer Engine.
+
+    FP8 covers the GEMMs of the mixers' projections and of the experts. The embedding, the LM head
+    (fp32 with model.fp32_lm_head), the router (fp32), the RMSNorms and the attention kernels stay
+    out of it.
+    """
+
+    params_dtype: str = "float32"
+    """Weights and activations: float32, or bfloat16 (the optimizer keeps fp32 master weights and the
+    gradients accumulate in fp32)."""
+    fp8: str | None = None
+    """FP8 scaling recipe, Megatron-Core's names: delayed (amax history), tensorwise (per-tensor current
+    scaling), blockwise (1x128 / 128x128 blocks, Transformer Engine >= 2.3), mxfp8 (Blackwell GPUs);
+    null: no FP8. Needs params_dtype bfloat16 and Transformer Engine (pip install -e .[fp8])."""
+    fp8_format: str | None = None
+    """hybrid (E4M3 forward, E5M2 gradients) or e4m3; null: Transformer Engine's default for the
+    recipe (hybrid for delayed and tensorwise, e4m3 for blockwise and mxfp8)."""
+    fp8_margin: int = 0
+    """delayed: scale = (fp8 max / amax) / 2^margin."""
+    fp8_amax_history_len: int = 1024
+    """delayed: how many steps of amax the scale is computed from."""
+    fp8_amax_compute_algo: str = "max"
+    """delayed: max (the largest amax in the history) or most_recent."""
+    use_transformer_engine: bool = False
+    """Build the projections and experts from Transformer Engine layers even without FP8 (FP8 always
+    does)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, its value and the fix."""
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(
+                f"precision.params_dtype = {self.params_dtype!r}: choose one of {', '.join(PARAMS_DTYPES)}."
+            )
+        if self.fp8 is None:
+            return
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(
+                f"precision.fp8 = {self.fp8!r}: choose one of {', '.join(FP8_RECIPES)} (tensorwise is "
+                f"current scaling), or null for no FP8."
+            )
+        if self.params_dtype != "bfloat16":
+            raise ValueError(
+                f"precision.fp8 = {self.fp8!r} with precision.params_dtype = {self.params_dtype!r}: FP8 GEMMs "
+                f"take bf16 weights and activations; set precision.params_dtype = bfloat16."
+            )
+        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
+            raise ValueError(
+                f"precision.fp8_format = {self.fp8_format!r}: choose one of {', '.join(FP8_FORMATS)}, or null "
+                f"for the recipe's default."
+            )
+        if self.fp8_margin < 0:
+            raise ValueError(f"precision.fp8_margin = {self.fp8_margin}: it must be >= 0.")
+        if self.fp8_amax_history_len < 1:
+            raise ValueError(f"precision.fp8_amax_history_len = {self.fp8_amax_history_len}: it must be >= 1.")
+        if self.fp8_amax_compute_algo not in FP8_AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"precision.fp8_amax_compute_algo = {self.fp8_amax_compute_algo!r}: choose one of "
+                f"{', '.join(FP8_AMAX_COMPUTE_ALGOS)}."
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return PARAMS_DTYPES[self.params_dtype]
+
+    @property
+    def transformer_engine(self) -> bool:
+        """Whether the layers are built from Transformer Engine."""
+        return self.use_transformer_engine or self.fp8 is not None
+
+
+@dataclass(kw_only=True)
+class RecomputeConfig:
+    """Activation recompute: keep less for backward and compute it again.
+
+    full: a layer keeps only its input and is run again in backward (the hybrid layer checkpoints
+    itself: Megatron's block-level full recompute does not pass the RoPE cos / sin on to the layers).
+    selective: Megatron's per-module recompute inside the MoE (``modules``).
+    """
+
+    granularity: str = "none"
+    """none, selective or full (tools/plan.py --recompute takes the same names)."""
+    method: str = "uniform"
+    """full only: uniform (every layer) or block (the first num_layers layers of each pipeline stage)."""
+    num_layers: int = 1
+    """full only: layers recomputed per pipeline stage with method block; 1 with method uniform."""
+    modules: list[str] = field(default_factory=lambda: ["moe"])
+    """selective only: Megatron recompute_modules, of moe (the whole MoE layer) and moe_act (the
+    experts' SwiGLU; Transformer Engine's grouped experts only)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, its value and the fix."""
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute.granularity = {self.granularity!r}: choose one of {', '.join(RECOMPUTE_GRANULARITIES)}."
+            )
+        if self.granularity == "full":
+            if self.method not in RECOMPUTE_METHODS:
+                raise ValueError(
+                    f"recompute.method = {self.method!r}: choose one of {', '.join(RECOMPUTE_METHODS)}."
+                )
+            if self.method == "uniform" and self.num_layers != 1:
+                raise ValueError(
+                    f"recompute.num_layers = {self.num_layers} with recompute.method = 'uniform': hybrid layers "
+                    f"are recomputed one at a time; set recompute.num_layers = 1, or use method block to "
+                    f"recompute only the first num_layers layers of each stage."
+                )
+            if self.num_layers < 1:
+                raise ValueError(f"recompute.num_layers = {self.num_layers}: it must be at least 1.")
+        if self.granularity == "selective":
+            unknown = sorted(set(self.modules) - set(SELECTIVE_RECOMPUTE_MODULES))
+            if unknown or not self.modules:
+                raise ValueError(
+                    f"recompute.modules = {self.modules!r}: choose a non-empty list of "
+                    f"{', '.join(SELECTIVE_RECOMPUTE_MODULES)}."
+                )
+
+
+def check_precision_and_recompute(
+    config: HybridModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, recompute: RecomputeConfig
+) -> None:
+    """The checks that span the model, the layout, precision and recompute."""
+    if recompute.granularity == "selective" and "moe_act" in recompute.modules:
+        if not precision.transformer_engine:
+            raise ValueError(
+                "recompute.modules has moe_act, which only Transformer Engine's grouped experts honour: set "
+                "precision.use_transformer_engine = true (or precision.fp8), or use recompute.modules = [moe]."
+            )
+        if precision.fp8 == "delayed":
+            raise ValueError(
+                "recompute.modules has moe_act with precision.fp8 = 'delayed': Megatron-Core does not "
+                "recompute the SwiGLU under delayed scaling; use fp8 tensorwise or blockwise, or modules [moe]."
+            )
+    layers_per_stage = config.num_layers // parallel.pipeline_model_parallel_size
+    if recompute.granularity == "full" and recompute.method == "block" and recompute.num_layers > layers_per_stage:
+        raise ValueError(
+            f"recompute.num_layers = {recompute.num_layers} exceeds the {layers_per_stage} layers of a pipeline "
+            f"stage (model.num_layers {config.num_layers} / pipeline_model_parallel_size "
+            f"{parallel.pipeline_model_parallel_size}): choose at most {layers_per_stage}."
+        )
+
+
+def precision_kwargs(precision: PrecisionConfig) -> dict:
+    """TransformerConfig fields for ``precision`` (separate so they can be checked without Transformer
+    Engine: TransformerConfig itself asks Transformer Engine for its version once fp8 is set)."""
+    kwargs = {
+        "params_dtype": precision.torch_dtype,
+        "pipeline_dtype": precision.torch_dtype,
+        "bf16": precision.params_dtype == "bfloat16",
+        "transformer_impl": "transformer_engine" if precision.transformer_engine else "local",
+        # Transformer Engine's experts are grouped GEMMs (TEGroupedMLP); the local ones a loop.
+        "moe_grouped_gemm": precision.transformer_engine,
+    }
+    if precision.fp8 is not None:
+        kwargs.update(
+            fp8=precision.fp8_format or DEFAULT_FP8_FORMAT[precision.fp8],
+            fp8_recipe=precision.fp8,
+            fp8_margin=precision.fp8_margin,
+            fp8_amax_history_len=precision.fp8_amax_history_len,
+            fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
+        )
+    return kwargs
+
+
+def recompute_kwargs(recompute: RecomputeConfig) -> dict:
+    """TransformerConfig fields for ``recompute``.
+
+    Full recompute sets recompute_method and recompute_num_layers but leaves recompute_granularity
+    unset: with granularity "full", Megatron's TransformerBlock would checkpoint the layers itself and
+    drop the RoPE cos / sin on the way (transformer_block.py _checkpointed_forward passes only
+    rotary_pos_emb). The hybrid layer reads the two fields and checkpoints itself
+    (decoder_layer.recomputes_layer).
+    """
+    if recompute.granularity == "full":
+        return {"recompute_method": recompute.method, "recompute_num_layers": recompute.num_layers}
+    if recompute.granularity == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": list(recompute.modules)}
+    return {}
+
+
 def transformer_config(
     config: HybridModelConfig,
     parallel: ParallelConfig,
     *,
-    params_dtype: torch.dtype = torch.float32,
+    params_dtype: torch.dtype | None = None,
+    precision: PrecisionConfig | None = None,
+    recompute: RecomputeConfig | None = None,
     init_method_std: float = 0.02,
 ):
     """Megatron-Core's TransformerConfig for this model under ``parallel``.
 
-    params_dtype float32 or bfloat16 (bf16 also sets Megatron's bf16 flag, so that Megatron's
-    Float16Module and mixed-precision optimizer apply). On a CPU-only torch weights are created on
-    the CPU. Dense-MLP fields are unused: every layer's MLP is the MoE.
+    precision: weight dtype, Transformer Engine and FP8 (default: fp32, local layers); or, for a
+    plain float32 / bfloat16 model, just params_dtype. bf16 sets Megatron's bf16 flag, so that its
+    mixed-precision optimizer keeps fp32 master weights. recompute: activation recompute (default
+    none). On a CPU-only torch weights are created on the CPU. Dense-MLP fields are unused: every
+    layer's MLP is the MoE.
     """
     from megatron.core.transformer import TransformerConfig
 
-    if params_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"params_dtype = {params_dtype}: use torch.float32 or torch.bfloat16.")
+    if precision is None:
+        dtype = torch.float32 if params_dtype is None else params_dtype
+        names = {value: name for name, value in PARAMS_DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"params_dtype = {dtype}: use torch.float32 or torch.bfloat16.")
+        precision = PrecisionConfig(params_dtype=names[dtype])
+    elif params_dtype is not None and params_dtype != precision.torch_dtype:
+        raise ValueError(
+            f"params_dtype = {params_dtype} contradicts precision.params_dtype = {precision.params_dtype!r}: "
+            f"pass only precision."
+        )
+    recompute = recompute or RecomputeConfig()
+    check_precision_and_recompute(config, parallel, precision, recompute)
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -275,8 +496,7 @@ def transformer_config(
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tp,
         sequence_parallel=parallel.sequence_parallel,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        **precision_kwargs(precision),
+        **recompute_kwargs(recompute),
     )

@@ -9,7 +9,16 @@ scaled post-norm (the residual carries the normalized input):
 
 The MoE is Megatron-Core's MoELayer, taken from Megatron's own local GPT layer spec: a TopKRouter
 (softmax over the top-k logits in fp32 = softmax, top-k, renormalize) and SequentialMLP experts
-whose linear_fc1 is [W1; W3] (gate; up) with SwiGLU and linear_fc2 = W2.
+whose linear_fc1 is [W1; W3] (gate; up) with SwiGLU and linear_fc2 = W2 (as SkipEmptySequentialMLP,
+models/experts.py: the same module and checkpoint keys with a cheaper forward).
+
+Where the linears come from is a ``LayerBackend``: local Megatron linears and SequentialMLP experts,
+or Transformer Engine linears and grouped experts (models/te_specs.py), chosen by the
+TransformerConfig's transformer_impl. The layer pattern picks the mixer either way; the norms, the
+router and the attention kernels are the same modules in both.
+
+Full activation recompute is done by the layer itself (``recompute``): Megatron's block-level full
+recompute calls the layers without the RoPE cos / sin.
 
 Its load-balancing loss is Megatron's per-layer Switch loss, summed over layers:
 coeff * E / (k T^2) * sum_e count_e * sum_t p_te. HF's load_balancing_loss_func (used when
@@ -19,9 +28,12 @@ before the product and has no 1/k; the two differ in scale and form. It only sha
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
@@ -31,8 +43,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
+from megacispo.models import te_specs
 from megacispo.models.config import LIGHTNING, HybridModelConfig
-from megacispo.models.layers import RMSNorm
+from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP
+from megacispo.models.layers import RMSNorm, local_column_parallel_linear, row_parallel_linear
 from megacispo.models.lightning_mixer import LightningMixer, LightningMixerSubmodules
 from megacispo.models.softmax_attention import SoftmaxAttention, SoftmaxAttentionSubmodules
 
@@ -62,10 +76,13 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         mixer_beta: float,
         mlp_alpha: float,
         mlp_beta: float,
+        recompute: bool = False,
     ) -> None:
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.tp_group = pg_collection.tp
+        self.recompute = recompute
         # TransformerBlock passes the stage-local number; the global one (1-based) names the
         # layer in checkpoints and sets the lightning decay rates.
         self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
@@ -91,6 +108,32 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         **unused,
     ) -> tuple[torch.Tensor, None]:
         """Returns (hidden_states, context=None), as TransformerBlock expects of a layer."""
+        if not (self.recompute and self.training and torch.is_grad_enabled() and inference_context is None):
+            return self._layer(
+                hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin, packed_seq_params, inference_context
+            ), None
+
+        def run(hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin):
+            return self._layer(hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin, packed_seq_params, None)
+
+        # Only the layer input (and the mask and RoPE tables) is kept; backward runs the layer again.
+        # Under FP8, Transformer Engine's checkpoint keeps the scaling state of the two forwards apart.
+        args = (hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin)
+        if self.config.fp8:
+            from megatron.core.extensions.transformer_engine import te_checkpoint
+
+            return te_checkpoint(run, False, tensor_parallel.get_cuda_rng_tracker, self.tp_group, *args), None
+        return tensor_parallel.checkpoint(run, False, *args), None
+
+    def _layer(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rotary_pos_cos: torch.Tensor | None,
+        rotary_pos_sin: torch.Tensor | None,
+        packed_seq_params,
+        inference_context,
+    ) -> torch.Tensor:
         normed = self.input_layernorm(hidden_states)
         mixed = self.self_attention(
             normed,
@@ -103,37 +146,93 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         hidden_states = self.mixer_alpha * normed + self.mixer_beta * mixed
         normed = self.pre_mlp_layernorm(hidden_states)
         moe_out, _ = self.mlp(normed)
-        return self.mlp_alpha * normed + self.mlp_beta * moe_out, None
+        return self.mlp_alpha * normed + self.mlp_beta * moe_out
 
 
-def moe_spec(num_experts: int) -> ModuleSpec:
-    """Megatron-Core's MoE submodule spec, as its local GPT layer spec builds it (SequentialMLP
-    experts with Megatron's linears; no grouped GEMM, no Transformer Engine)."""
-    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp
+def local_moe_spec(num_experts: int) -> ModuleSpec:
+    """Megatron-Core's MoE submodule spec, as its local GPT layer spec builds it (no grouped GEMM, no
+    Transformer Engine), as InProcessMoELayer with SkipEmptySequentialMLP experts: the same modules,
+    parameters and checkpoint keys with cheaper forwards (models/experts.py)."""
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp
+    experts = dataclasses.replace(spec.submodules.experts, module=SkipEmptySequentialMLP)
+    return dataclasses.replace(
+        spec, module=InProcessMoELayer, submodules=dataclasses.replace(spec.submodules, experts=experts)
+    )
 
 
-def mixer_spec(hybrid_config: HybridModelConfig, kind: str) -> ModuleSpec:
+@dataclass(frozen=True)
+class LayerBackend:
+    """Where a layer's linears come from. A projection builder is called as
+    (config, input_size, output_size, tp_group); column-parallel ones take an input that the mixer
+    has already brought into the tensor-parallel region."""
+
+    name: str
+    column_parallel_linear: Callable
+    row_parallel_linear: Callable
+    moe: Callable[[int], ModuleSpec]
+    """num_experts -> the MoE layer's spec."""
+
+
+LOCAL_BACKEND = LayerBackend(
+    name="local",
+    column_parallel_linear=local_column_parallel_linear,
+    row_parallel_linear=row_parallel_linear,
+    moe=local_moe_spec,
+)
+TRANSFORMER_ENGINE_BACKEND = LayerBackend(
+    name="transformer_engine",
+    column_parallel_linear=te_specs.te_column_parallel_linear,
+    row_parallel_linear=te_specs.te_row_parallel_linear,
+    moe=te_specs.te_moe_spec,
+)
+
+
+def layer_backend(config: TransformerConfig) -> LayerBackend:
+    """Transformer Engine layers when the config asks for them. models.config.transformer_config
+    always sets transformer_impl (Megatron's own default is transformer_engine)."""
+    return TRANSFORMER_ENGINE_BACKEND if config.transformer_impl == "transformer_engine" else LOCAL_BACKEND
+
+
+def mixer_spec(hybrid_config: HybridModelConfig, kind: str, backend: LayerBackend = LOCAL_BACKEND) -> ModuleSpec:
     """The mixer of a layer kind: 'L' lightning attention, 'S' softmax attention."""
+    column, row = backend.column_parallel_linear, backend.row_parallel_linear
     if kind == LIGHTNING:
         return ModuleSpec(
             module=LightningMixer,
             params={"block_size": hybrid_config.lightning_block_size, "norm_eps": hybrid_config.lightning_norm_eps},
-            submodules=LightningMixerSubmodules(),
+            submodules=LightningMixerSubmodules(qkv_proj=column, output_gate=column, out_proj=row),
         )
-    return ModuleSpec(module=SoftmaxAttention, submodules=SoftmaxAttentionSubmodules())
+    return ModuleSpec(
+        module=SoftmaxAttention,
+        submodules=SoftmaxAttentionSubmodules(q_proj=column, k_proj=column, v_proj=column, o_proj=row),
+    )
 
 
-def layer_spec(hybrid_config: HybridModelConfig, layer_idx: int) -> ModuleSpec:
-    """The spec of global layer ``layer_idx`` (0-based): the pattern picks its mixer and residual factors."""
+def layer_spec(
+    hybrid_config: HybridModelConfig, layer_idx: int, backend: LayerBackend = LOCAL_BACKEND, recompute: bool = False
+) -> ModuleSpec:
+    """The spec of global layer ``layer_idx`` (0-based): the pattern picks its mixer and residual
+    factors, the backend its linears; ``recompute``: keep only the layer's input for backward."""
     mixer_alpha, mixer_beta, mlp_alpha, mlp_beta = hybrid_config.residual_factors(layer_idx)
     return ModuleSpec(
         module=HybridDecoderLayer,
-        params={"mixer_alpha": mixer_alpha, "mixer_beta": mixer_beta, "mlp_alpha": mlp_alpha, "mlp_beta": mlp_beta},
+        params={
+            "mixer_alpha": mixer_alpha, "mixer_beta": mixer_beta, "mlp_alpha": mlp_alpha, "mlp_beta": mlp_beta,
+            "recompute": recompute,
+        },
         submodules=HybridLayerSubmodules(
-            self_attention=mixer_spec(hybrid_config, hybrid_config.layer_kind(layer_idx)),
-            mlp=moe_spec(hybrid_config.num_experts),
+            self_attention=mixer_spec(hybrid_config, hybrid_config.layer_kind(layer_idx), backend),
+            mlp=backend.moe(hybrid_config.num_experts),
         ),
     )
+
+
+def recomputes_layer(config: TransformerConfig, stage_layer_idx: int) -> bool:
+    """Full recompute (models.config.recompute_kwargs) of a stage's ``stage_layer_idx``-th layer:
+    every layer with method uniform, the first recompute_num_layers of the stage with block."""
+    if config.recompute_granularity is not None or config.recompute_method is None:
+        return False
+    return config.recompute_method == "uniform" or stage_layer_idx < config.recompute_num_layers
 
 
 def block_spec(
@@ -142,7 +241,10 @@ def block_spec(
     """The layers of one pipeline stage (Megatron's split: consecutive layers) and the final norm."""
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    backend = layer_backend(config)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(hybrid_config, offset + i) for i in range(num_layers)],
+        layer_specs=[
+            layer_spec(hybrid_config, offset + i, backend, recomputes_layer(config, i)) for i in range(num_layers)
+        ],
         layer_norm=RMSNorm,
     )

@@ -179,42 +179,69 @@ class HybridModel(LanguageModule):
 
         input_ids [b, s]; attention_mask [b, s], 1 for real tokens, 0 for the left padding (None:
         no padding). Returns (logits, cache): the full-vocabulary logits fp32 of the last position
-        [b, V], or of every position [b, s, V] with return_all_logits (pad positions hold junk).
+        [b, V] (the LM head runs on that position only), or of every position [b, s, V] with
+        return_all_logits (pad positions hold junk).
         """
-        self._check_decodable()
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         attention_mask = attention_mask.bool()
         _check_left_padded(attention_mask)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         cache = InferenceCache(valid_mask=attention_mask, next_positions=attention_mask.long().sum(-1))
-        logits = self._decode_forward(input_ids, position_ids, attention_mask, cache)
+        logits = self._decode_forward(input_ids, position_ids, attention_mask, cache, last_only=not return_all_logits)
         return (logits if return_all_logits else logits[:, -1]), cache
 
     @torch.no_grad()
     def decode_step(self, token_ids: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, InferenceCache]:
         """Append one token per sequence (token_ids [b] or [b, 1]); returns (logits [b, V] fp32, cache),
         the cache advanced in place."""
-        self._check_decodable()
         token_ids = token_ids.reshape(cache.batch_size, 1)
         position_ids = cache.next_positions[:, None]
         cache.valid_mask = torch.cat((cache.valid_mask, torch.ones_like(cache.valid_mask[:, :1])), dim=1)
-        logits = self._decode_forward(token_ids, position_ids, None, cache)
+        logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True)
         cache.next_positions = cache.next_positions + 1
         return logits[:, -1], cache
 
-    def _decode_forward(self, input_ids, position_ids, attention_mask, cache: InferenceCache) -> torch.Tensor:
-        with self._sequence_parallel_off():
-            logits = self.forward(input_ids, position_ids, attention_mask, inference_context=cache)
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
-        return at_least_fp32(logits)
+    def _decode_forward(
+        self, input_ids, position_ids, attention_mask, cache: InferenceCache, *, last_only: bool
+    ) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [b, s, V], or [b, 1, V] of the last position with last_only,
+        on every rank (every pipeline stage too: each draws the same next token).
 
-    def _check_decodable(self) -> None:
-        if not (self.pre_process and self.post_process):
-            raise ValueError(
-                "prefill / decode_step need the whole model in one stage: build it with "
-                "pipeline_model_parallel_size = 1."
-            )
+        last_only runs the LM head on the last position alone: a prompt's other positions would
+        cost a [s, H] x [H, V/TP] matmul and a [b, s, V] gather only to be dropped. With sequence
+        parallelism off every rank holds the whole sequence, so the last position is local.
+
+        Under pipeline parallelism the stages run one after the other: each receives the previous
+        stage's hidden states [s, b, H], runs its layers against its part of the cache and sends
+        its output on; the last stage's logits are then broadcast to all stages.
+        """
+        pp_group = self.pg_collection.pp
+        pp_rank, pp_size = torch.distributed.get_rank(pp_group), torch.distributed.get_world_size(pp_group)
+        batch, length = input_ids.shape
+        if not self.pre_process:
+            received = torch.empty(length, batch, self.config.hidden_size, dtype=next(self.decoder.parameters()).dtype)
+            torch.distributed.recv(received, src=torch.distributed.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
+            self.set_input_tensor(received)
+        with self._sequence_parallel_off():
+            hidden = self.forward(
+                input_ids, position_ids, attention_mask, inference_context=cache, return_hidden_states=True
+            )  # [s, b, H]
+            if self.post_process:
+                if last_only:
+                    hidden = hidden[-1:]
+                logits = self._logits(hidden).transpose(0, 1).contiguous()  # [b, s or 1, V/TP]
+        if self.post_process:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+            logits = at_least_fp32(logits).contiguous()
+        else:
+            next_stage = torch.distributed.get_global_rank(pp_group, pp_rank + 1)
+            torch.distributed.send(hidden.contiguous(), dst=next_stage, group=pp_group)
+            logits = torch.empty(batch, 1 if last_only else length, self.vocab_size, dtype=torch.float32)
+        if pp_size > 1:
+            last_stage = torch.distributed.get_global_rank(pp_group, pp_size - 1)
+            torch.distributed.broadcast(logits, src=last_stage, group=pp_group)
+        return logits
 
     @contextlib.contextmanager
     def _sequence_parallel_off(self) -> Iterator[None]:

@@ -41,6 +41,7 @@ def test_resolved_config_round_trips():
         ("rollout.grup_size=4", r"config.rollout.grup_size: unknown field; valid fields of config.rollout: .*group_size"),
         ("train.steps=many", r"config.train.steps: expected int, got 'many'"),
         ("train.steps=0", r"train.steps = 0: it must be at least 1"),
+        ("sft.decay_steps=-5", r"sft.decay_steps = -5: it must be >= 0"),
         ("rollout.group_size=1", r"rollout.group_size = 1"),
         ("rollout.top_p=1.5", r"rollout.top_p = 1.5"),
         ("rl.updates_per_rollout=3", r"rl.updates_per_rollout = 3 does not divide the rollout batch"),

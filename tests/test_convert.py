@@ -1,20 +1,22 @@
-"""Checkpoint conversion (tools/convert_checkpoint.py) and scoring (megacispo.score) against Hugging Face
-transformers: a tiny random MiniMaxForCausalLM (MODEL.md's config, large random weights) is saved
-with save_pretrained, converted to a megacispo checkpoint, scored at TP = 1 (EP = 1 and EP = 2) and
-TP = 2 (sequence parallel, converted on the fly from the HF directory) and PP = 2, and the per-token log-probs
+"""Checkpoint conversion (megacispo.convert, the streaming converter behind tools/convert_checkpoint.py)
+and scoring (megacispo.score) against Hugging Face transformers: a tiny random MiniMaxForCausalLM
+(MODEL.md's config, large random weights) is saved with save_pretrained, converted to a megacispo
+checkpoint, scored at TP = 1 (EP = 1 and EP = 2), TP = 2 (sequence parallel, converted on the fly
+from the HF directory by `python -m megacispo.convert`) and PP = 2, and the per-token log-probs
 equal transformers' to 1e-4 (fp32). The round trip HF -> megatron -> HF gives bit-identical tensors
 that transformers loads; the fused expert layout (sharded, with an index) converts to the same
-checkpoint; broken inputs fail naming the tensor and the file and leave nothing behind.
+checkpoint; the converted checkpoint has the files, keys, shapes, dtypes and chunks that
+megacispo.checkpoint.save_checkpoint writes; neither direction ever holds more than 3x the
+largest tensor's bytes (TensorMeter); broken inputs fail naming the tensor and the file and leave
+nothing behind.
 
 rotary_dim = head_dim because HF rotates whole heads (as in test_model_hf_parity).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,6 @@ from megacispo.parallel.multiprocess import run_distributed
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4
 SEQUENCES = [
     [1, 5, 9, 200, 511, 3, 7],
@@ -36,13 +37,8 @@ SEQUENCES = [
 DERIVED = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 
-def _converter():
-    """tools/ holds scripts, not a package: load the converter by path."""
-    spec = importlib.util.spec_from_file_location("megacispo_tools_convert", REPO_ROOT / "tools" / "convert_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up by name
-    spec.loader.exec_module(module)
-    return module
+# The converter may hold at most this many times the largest tensor's bytes at once.
+MAX_TENSORS_HELD = 3
 
 
 def _hf_model():
@@ -120,13 +116,43 @@ def _broken_copies(root: Path) -> dict[str, tuple[Path, str, str]]:
     return broken
 
 
+def _storage_layout(step_dir: Path) -> dict:
+    """What a torch_dist directory stores: each key's size, dtype and chunks (offsets, sizes), or
+    None for byte objects."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    layout = {}
+    for key, value in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata.items():
+        if isinstance(value, TensorStorageMetadata):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks)
+            layout[key] = (tuple(value.size), value.properties.dtype, chunks)
+        else:
+            layout[key] = None
+    return layout
+
+
 def _convert_all(root: str) -> dict:
+    from megacispo import convert
+    from megacispo.checkpoint import save_checkpoint
+
     root = Path(root)
-    convert = _converter()
-    convert.hf_to_megatron(root / "hf_legacy", root / "ckpt_legacy", ep=2, progress=False)
-    convert.hf_to_megatron(root / "hf_fused", root / "ckpt_fused", progress=False)
-    convert.megatron_to_hf(root / "ckpt_legacy", root / "hf_back", max_shard_bytes=1_000_000, progress=False)
+    meters = {name: convert.TensorMeter() for name in ("legacy", "fused", "to_hf")}
+    convert.hf_to_megatron(root / "hf_legacy", root / "ckpt_legacy", ep=2, progress=False, meter=meters["legacy"])
+    convert.hf_to_megatron(root / "hf_fused", root / "ckpt_fused", progress=False, meter=meters["fused"])
+    convert.megatron_to_hf(root / "ckpt_legacy", root / "hf_back", max_shard_bytes=1_000_000, progress=False,
+                           meter=meters["to_hf"])
     full = {name: convert.full_tensors(convert.load_single_process(root / name)[0]) for name in ("ckpt_legacy", "ckpt_fused")}
+    # The same weights saved the way training saves them, for the layout comparison.
+    model = convert.load_single_process(root / "ckpt_legacy")[0]
+    saved = save_checkpoint(root / "ckpt_saved", 0, model, keep_last=None)
+    files = {
+        name: sorted(p.name for p in path.iterdir() if p.is_file())
+        for name, path in (("converted", root / "ckpt_legacy" / "step_00000000"), ("saved", saved))
+    }
+    layouts = {"converted": _storage_layout(root / "ckpt_legacy" / "step_00000000"), "saved": _storage_layout(saved)}
+    memory = {name: {"peak": m.peak_bytes, "largest": m.largest_bytes, "live_after": m.live_bytes}
+              for name, m in meters.items()}
     errors = {}
     for name, (directory, tensor_name, file_name) in _broken_copies(root).items():
         out = root / f"out_{name}"
@@ -136,7 +162,7 @@ def _convert_all(root: str) -> dict:
             errors[name] = {"message": str(error), "tensor": tensor_name, "file": file_name, "out_exists": out.exists()}
         leftovers = [p.name for p in root.iterdir() if p.name.startswith(f".tmp_out_{name}")]
         errors.setdefault(name, {"message": None})["leftovers"] = leftovers
-    return {"full": full, "errors": errors}
+    return {"full": full, "errors": errors, "memory": memory, "files": files, "layouts": layouts}
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +221,39 @@ def test_broken_input_names_tensor_and_file_and_leaves_nothing(converted, case):
 
 
 def test_existing_output_is_refused(workspace, converted):
+    from megacispo import convert
+
     with pytest.raises(ValueError, match="already exists"):
-        _converter().hf_to_megatron(workspace["root"] / "hf_legacy", workspace["root"] / "ckpt_legacy")
+        convert.hf_to_megatron(workspace["root"] / "hf_legacy", workspace["root"] / "ckpt_legacy")
+
+
+def test_converted_checkpoint_is_laid_out_as_training_saves_it(converted):
+    """Same Megatron files and the same stored keys, global shapes, dtypes and chunks as
+    save_checkpoint (the converted checkpoint has no rng/ and merges its parts' .distcp files)."""
+    files, layouts = converted["files"], converted["layouts"]
+    def megatron_files(names):
+        return [n for n in names if not n.endswith(".distcp")]
+    assert megatron_files(files["converted"]) == megatron_files(files["saved"]) == [
+        ".metadata", "common.pt", "meta.json", "metadata.json"]
+    assert layouts["converted"] == layouts["saved"]
+
+
+@pytest.mark.parametrize("direction", ["legacy", "fused", "to_hf"])
+def test_conversion_holds_a_few_tensors_not_the_model(workspace, converted, direction):
+    """The bytes of the tensors the converter holds at once (TensorMeter: every tensor it reads,
+    until freed, including those the writers keep) stay within MAX_TENSORS_HELD x the largest
+    tensor (of the on-disk HF layout: one matrix per expert), far below the model's size, and
+    nothing stays alive after the conversion."""
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(workspace["root"] / "hf_legacy" / "model.safetensors"))
+    largest = max(t.numel() * t.element_size() for t in on_disk.values())
+    model_bytes = sum(t.numel() * t.element_size() for t in on_disk.values())
+    assert model_bytes > 4 * MAX_TENSORS_HELD * largest, "the test model must tell streaming from loading it whole"
+    memory = converted["memory"][direction]
+    assert memory["largest"] == largest, "the embedding and LM head are the largest tensors; both are read"
+    assert 0 < memory["peak"] <= MAX_TENSORS_HELD * largest, memory
+    assert memory["live_after"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,6 +49,52 @@ def test_every_source_patch_replaces_its_cuda_literals():
     assert problems == []
 
 
+def _unpermute_results(unpermute, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, permuted-token gradient) of a top-2 permute / unpermute round trip, odd sizes."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    results = []
+    for num_tokens, hidden, num_experts in ((1, 8, 4), (13, 24, 5), (37, 16, 8)):
+        tokens = torch.randn(num_tokens, hidden, generator=generator)
+        logits = torch.randn(num_tokens, num_experts, generator=generator)
+        top = logits.topk(2, dim=-1)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top.indices, True)
+        probs = torch.zeros_like(logits).scatter(1, top.indices, top.values.softmax(-1))
+        permuted, _, sorted_indices = permute(tokens, routing_map, num_out_tokens=2 * num_tokens)
+        expert_outputs = (permuted * torch.randn(permuted.shape[0], 1, generator=generator)).requires_grad_(True)
+        output = unpermute(expert_outputs, sorted_indices, tokens.shape, probs=probs, routing_map=routing_map)
+        output.backward(torch.randn(output.shape, generator=generator))
+        results.append((output.detach(), expert_outputs.grad))
+    return results
+
+
+def _check_unpermute_patch() -> dict:
+    from megacispo.parallel import cpu_backend
+
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    upstream = moe_utils.unpermute
+    expected = _unpermute_results(upstream, torch.Generator().manual_seed(4))
+    cpu_backend.apply()
+    token_dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    patched = moe_utils.unpermute
+    actual = _unpermute_results(patched, torch.Generator().manual_seed(4))
+    return {
+        "replaced": patched is not upstream and token_dispatcher.unpermute is patched,
+        "asks_determinism": "are_deterministic_algorithms_enabled" in patched.__code__.co_names,
+        "max_difference": max(
+            (a - b).abs().max().item() for pair_a, pair_b in zip(expected, actual) for a, b in zip(pair_a, pair_b)
+        ),
+    }
+
+
+def test_unpermute_patch_takes_index_add_with_equal_results():
+    """unpermute always takes upstream's index_add_ branch on CPU; outputs and gradients equal the
+    scatter_add_ branch's (the same sums, up to the order of two fp32 additions)."""
+    (out,) = run_distributed(_check_unpermute_patch, 1)
+    assert out["replaced"] and not out["asks_determinism"]
+    assert out["max_difference"] <= 1e-6
+
+
 def _check_runtime_patches() -> dict:
     from megacispo.parallel.layout import ParallelConfig, init_distributed
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -22,7 +21,8 @@ from megacispo.data import (
 )
 from megacispo.tasks import ArithmeticTask, evaluate, generate_task_data
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tool_modules import load_tool
+
 
 
 def write_lines(tmp_path: Path, lines: list[str], name: str = "prompts.jsonl") -> Path:
@@ -269,14 +269,6 @@ def test_problem_indexing_covers_operators():
 def test_task_rejects_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ArithmeticTask(**kwargs)
-
-
-def load_tool(name: str):
-    """Import tools/<name>.py (tools/ is scripts, not a package) to call its main() in-process."""
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_make_task_data_cli_writes_loadable_deterministic_files(tmp_path):

@@ -1,7 +1,8 @@
 """Incremental decoding equals the full forward: left-padded prompts of different lengths, prefill
 then decode steps (teacher-forced tokens), against one unpadded forward per sequence, at TP = 1
 and TP = 2 (a model built with sequence parallelism, which decoding switches off). Also padded
-and packed batches against per-sequence forwards, and TP = 2 logits against TP = 1. In fp64: the
+and packed batches against per-sequence forwards, and TP = 2 logits against TP = 1; the default
+prefill (LM head on the last position only) against the last row of return_all_logits. In fp64: the
 paths agree to ~1e-13, so any semantic difference (a decay step, a mask, a position) would show.
 """
 
@@ -18,7 +19,7 @@ PROMPT_LENGTHS = (6, 20, 12)
 NUM_STEPS = 6
 KEEP_AFTER = 3  # after this many steps, keep sequences [2, 0] only (cache.select)
 TOLERANCE = 1e-10
-CHECKS = ["prefill", "decode", "padded_forward", "packed_forward", "hidden_states"]
+CHECKS = ["prefill", "prefill_last", "decode", "padded_forward", "packed_forward", "hidden_states"]
 
 
 def _sequences(vocab_size: int) -> list[torch.Tensor]:
@@ -73,6 +74,10 @@ def _decode(model, sequences: list[torch.Tensor], references: list[torch.Tensor]
     logits, cache = model.prefill(input_ids, mask, return_all_logits=True)
     for row, length in enumerate(prompt_lengths):
         record("prefill", logits[row, -length:], references[row][:length])
+    # The default prefill runs the LM head on the last position only; it must give that row.
+    last_logits, _ = model.prefill(input_ids, mask)
+    assert last_logits.shape == logits[:, -1].shape
+    record("prefill_last", last_logits, logits[:, -1])
     active = list(range(len(sequences)))
     for step in range(NUM_STEPS):
         if step == KEEP_AFTER:

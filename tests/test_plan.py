@@ -4,10 +4,6 @@ what recompute removes), and the estimate against the tensors the real model sav
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,20 +11,12 @@ from megacispo.models.config import model_config, model_shape, parameter_breakdo
 from megacispo.parallel.layout import ParallelConfig, validate_layout
 from megacispo.parallel.multiprocess import run_distributed
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tool_modules import load_tool
+
 GIB = 2**30
 
 
-def _load_plan():
-    """tools/ holds scripts, not a package: load tools/plan.py by path."""
-    spec = importlib.util.spec_from_file_location("megacispo_tools_plan", REPO_ROOT / "tools" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-plan = _load_plan()
+plan = load_tool("plan")
 
 # tiny: H 64, 4 heads x 16 (W 64), 2 KV heads (W_kv 32), 4 experts top-2 with I 64, V 512, 8 layers LLLLLLLS.
 TINY_TP2_PP2_EP2 = ParallelConfig(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,8 @@ from megacispo.data import PromptRecord, build_sft_example, encode_prompt
 from megacispo.tasks import ArithmeticTask, generate_task_data
 from megacispo.tokenizer import MODEL_FILENAME, Tokenizer, train_sentencepiece
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tool_modules import load_tool
+
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +117,7 @@ def test_load_accepts_the_directory(tokenizer):
 
 
 def test_cli_trains_and_reports(corpus_path, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO_ROOT / "tools" / "train_tokenizer.py")
-    train_tokenizer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_tokenizer)
+    train_tokenizer = load_tool("train_tokenizer")
 
     out = tmp_path / "tok"
     assert train_tokenizer.main(["--input", str(corpus_path), "--vocab-size", "512", "--out", str(out)]) == 0

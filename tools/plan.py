@@ -84,13 +84,21 @@ import math
 import sys
 from dataclasses import dataclass
 
-from megacispo.models.config import LIGHTNING, MODEL_SIZES, SOFTMAX, HybridModelConfig, model_config, model_shape
+from megacispo.models.config import (
+    LIGHTNING,
+    MODEL_SIZES,
+    RECOMPUTE_GRANULARITIES,
+    SOFTMAX,
+    HybridModelConfig,
+    model_config,
+    model_shape,
+)
 from megacispo.models.lightning import CHUNK_TOKENS
 from megacispo.parallel.layout import ParallelConfig, validate_layout
 from megacispo.parallel.vocab_parallel import LOGITS_CHUNK_BYTES
 
 GIB = 2**30
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = RECOMPUTE_GRANULARITIES  # the run config's recompute.granularity names
 PRECISIONS = ("bf16", "fp8")
 WEIGHT_BYTES = 2
 FP8_WEIGHT_CACHE_BYTES = 2  # TE's cached fp8 weight and its fp8 transpose
@@ -515,8 +523,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     batch.add_argument("--num-microbatches", type=int, default=None,
                        help="micro-batches per step and DP rank (default: at least PP, 1F1B's steady state)")
     memory = parser.add_argument_group("memory")
-    memory.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="activation recomputation")
-    memory.add_argument("--precision", default="bf16", choices=PRECISIONS, help="GEMM precision (weights stay bf16)")
+    memory.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
+                        help="activation recompute, the run config's recompute.granularity")
+    memory.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                        help="GEMM precision, fp8 when the run config sets precision.fp8 (weights stay bf16)")
     memory.add_argument("--distributed-optimizer", action="store_true",
                         help="shard optimizer states over the (expert-)data-parallel ranks")
     memory.add_argument("--fused-lm-head", action="store_true",

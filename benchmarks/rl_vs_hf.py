@@ -1,0 +1,342 @@
+"""One RL update and greedy generation of the ``small`` model: megacispo vs Hugging Face transformers.
+
+One process, a world of one (gloo), fp32, torch threads = all cores. Both sides hold the same
+weights: transformers' MiniMaxForCausalLM is built from ``hf_names.config_to_hf`` and randomly
+initialized, and its tensors are loaded into our model through ``hf_names`` (our rotary_dim is set
+to head_dim, because HF rotates whole heads: the two models then compute the same function).
+
+Training, one RL update on the same batch (random tokens, a prompt of a quarter of the sequence,
+loss on the rest, one advantage per sequence, old log-probs near the current ones):
+
+- ours: ``megacispo.engine.Engine`` (Megatron DDP, distributed optimizer AdamW with gradient
+  clipping 1.0) running the forward step of ``Trainer._update_once``: the final hidden states into
+  ``Engine.token_logprobs`` (the fused, chunked fp32 LM head with the entropy metric; the
+  [b, S, V] logits are never held), ``compute_policy_loss("cispo")``, Megatron's MoE
+  load-balancing loss, backward through Megatron's schedule, then ``Engine.step()``;
+- HF: ``model(input_ids, output_router_logits=True)``, log_softmax over the logits, the same CISPO
+  token loss (detached clipped IS weight times advantage times log-prob, divided by the number of
+  response tokens) plus ``router_aux_loss_coef`` times HF's load-balancing loss, backward,
+  ``clip_grad_norm_(1.0)`` and ``torch.optim.AdamW`` with the same hyper-parameters.
+
+HF runs its defaults on this CPU: sdpa attention in the softmax layers, grouped_mm experts (one
+grouped matmul per projection for all experts), and its own lightning attention in the others: a
+Python loop over blocks of block_size (intra-block masked QK^T V plus the inter-block state) for
+prompts and training, one recurrent state update per token when decoding with a cache.
+
+Generation, batch 1, greedy, a random prompt: ``megacispo.rollout.generate`` (prefill, then one
+``decode_step`` per token, sampling bookkeeping included) vs ``model.generate(do_sample=False,
+min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
+
+Times are the median over the timed steps, as wall clock and as this process's CPU time (the sum
+over its threads: less sensitive to other jobs on a shared machine, but it counts a thread that
+spins at a barrier as busy).
+
+    .venv/bin/python benchmarks/rl_vs_hf.py [--train-steps 5] [--gen-tokens 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megacispo.models.config import HybridModelConfig, model_config
+
+TRAIN_TARGET = 1.5
+GENERATION_TARGET = 3.0
+LR = 1e-5
+CISPO_EPS_HIGH = 4.0
+
+
+@dataclass
+class Timing:
+    """Median seconds of the timed runs."""
+
+    wall_s: float
+    cpu_s: float
+
+
+def measure(run: Callable[[], object], warmup: int, repeats: int) -> Timing:
+    for _ in range(warmup):
+        run()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        run()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return Timing(statistics.median(walls), statistics.median(cpus))
+
+
+# ------------------------------------------------------------------------------------------------
+# The two models, same weights
+
+
+def build_models(config: HybridModelConfig):
+    """(engine, hf_model): our Engine and transformers' MiniMaxForCausalLM with the same weights."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    from megacispo.config import Config, OptimizerConfig
+    from megacispo.engine import Engine
+    from megacispo.models import hf_names
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(), seed=0)
+    hf_model = MiniMaxForCausalLM(MiniMaxConfig(**hf_names.config_to_hf(config)))
+    engine = Engine(Config(model=config, optimizer=OptimizerConfig(lr=LR)), total_steps=1000, peak_lr=LR)
+    hf_tensors = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
+    ours = hf_names.full_to_single_process(hf_names.hf_to_full(hf_tensors, config))
+    # In-place copies into the DDP buffers the optimizer's shards view.
+    missing, unexpected = engine.module.load_state_dict(ours, strict=False)
+    missing = [key for key in missing if not key.endswith("_extra_state")]
+    assert not missing and not unexpected, (missing, unexpected)
+    return engine, hf_model
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def implementations(hf_model) -> str:
+    config = hf_model.config
+    return f"attention {config._attn_implementation}, experts {config._experts_implementation}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass
+class RLBatch:
+    tokens: torch.Tensor
+    """[b, S]"""
+    loss_mask: torch.Tensor
+    """[b, S - 1] 1.0 on response tokens (after a prompt of S / 4)."""
+    advantages: torch.Tensor
+    """[b]"""
+    old_logprobs: torch.Tensor
+    """[b, S - 1] near log(1 / V), the log-prob of any token under a fresh model."""
+
+
+def rl_batch(batch_size: int, seq_len: int, vocab_size: int) -> RLBatch:
+    generator = torch.Generator().manual_seed(1)
+    loss_mask = torch.zeros(batch_size, seq_len - 1)
+    loss_mask[:, seq_len // 4 - 1 :] = 1.0
+    return RLBatch(
+        tokens=torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator),
+        loss_mask=loss_mask,
+        advantages=torch.randn(batch_size, generator=generator),
+        old_logprobs=-math.log(vocab_size) + 0.1 * torch.randn(batch_size, seq_len - 1, generator=generator),
+    )
+
+
+def our_update(engine, batch: RLBatch) -> Callable[[], None]:
+    """Trainer._update_once on one micro-batch: Megatron schedule, fused-head CISPO, step."""
+    from megacispo.losses import compute_global_counts, compute_policy_loss
+    from megacispo.trainer import TrainBatch
+
+    micro = TrainBatch(tokens=batch.tokens, loss_mask=batch.loss_mask, advantages=batch.advantages,
+                       rollout_logprobs=batch.old_logprobs, old_logprobs=batch.old_logprobs)
+    counts = compute_global_counts([micro.loss_mask], [micro.old_logprobs], group=engine.dp_group)
+    scale = engine.loss_scale_for_schedule(1)
+
+    def forward_step(micro: TrainBatch, model):
+        hidden = model(micro.tokens, return_hidden_states=True)
+
+        def loss_func(output):
+            logprobs, entropy = engine.token_logprobs(output, micro.tokens[:, 1:], compute_entropy=True)
+            loss, metrics = compute_policy_loss("cispo", logprobs, micro.old_logprobs, micro.advantages,
+                                                micro.loss_mask, counts, eps_high=CISPO_EPS_HIGH)
+            metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
+            return loss * scale, metrics
+
+        return hidden, loss_func
+
+    def update() -> None:
+        engine.run_micro_batches([micro], forward_step, forward_only=False)
+        result = engine.step()
+        assert result.applied and math.isfinite(result.grad_norm)
+
+    engine.train(True)
+    return update
+
+
+def hf_update(hf_model, batch: RLBatch) -> Callable[[], None]:
+    """A plain PyTorch loop: HF forward, CISPO from log_softmax, backward, clipping, AdamW."""
+    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-15, weight_decay=0.0)
+    aux_coeff = hf_model.config.router_aux_loss_coef
+    targets = batch.tokens[:, 1:]
+
+    def update() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        output = hf_model(input_ids=batch.tokens, output_router_logits=True, use_cache=False)
+        logprobs = torch.log_softmax(output.logits[:, :-1].float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+        ratio = torch.exp(logprobs.detach() - batch.old_logprobs).clamp(max=1 + CISPO_EPS_HIGH)
+        token_loss = -ratio * batch.advantages[:, None] * logprobs
+        loss = (token_loss * batch.loss_mask).sum() / batch.loss_mask.sum() + aux_coeff * output.aux_loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0)
+        optimizer.step()
+
+    hf_model.train()
+    return update
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation
+
+
+def our_generate(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    from megacispo.config import RolloutConfig
+    from megacispo.rollout import generate
+
+    config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0)
+    # eos_id -1 never matches: every sample runs all new_tokens steps, as min_new_tokens forces in HF.
+    samples = generate(model, [prompt.tolist()], config, eos_id=-1, pad_id=0, generator=torch.Generator())
+    return samples.tokens[0, len(prompt) :]
+
+
+def hf_generate(hf_model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    output = hf_model.generate(
+        prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+    )
+    return output[0, len(prompt) :]
+
+
+def our_prefill(model, prompt: torch.Tensor) -> None:
+    model.eval()
+    model.prefill(prompt[None])
+
+
+def hf_prefill(hf_model, prompt: torch.Tensor) -> None:
+    hf_model.eval()
+    with torch.no_grad():
+        hf_model(input_ids=prompt[None], use_cache=True, logits_to_keep=1)
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Index of the first differing token, or the length when equal."""
+    differs = (a != b).nonzero()
+    return int(differs[0]) if len(differs) else len(a)
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "met" if ratio >= target else "not met"
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def rate_rows(work: float, timings: dict[str, Timing], target_row: str, target: float) -> list[list[str]]:
+    """One row per side: work / time by both clocks, the ratio to HF, and the verdict of ``target_row``."""
+    hf = timings["HF"]
+    rows = []
+    for name, timing in timings.items():
+        wall_ratio, cpu_ratio = hf.wall_s / timing.wall_s, hf.cpu_s / timing.cpu_s
+        result = f"{target}x: {verdict(wall_ratio, target)} (wall), {verdict(cpu_ratio, target)} (CPU)"
+        rows.append([
+            name, f"{work / timing.wall_s:,.1f}", f"{work / timing.cpu_s:,.1f}", f"{wall_ratio:.2f}",
+            f"{cpu_ratio:.2f}", result if name == target_row else "",
+        ])
+    return rows
+
+
+RATE_HEADER = ["side", "tokens/s (wall)", "tokens/s (CPU time)", "vs HF (wall)", "vs HF (CPU)", "target"]
+
+
+def run_training(engine, hf_model, args) -> None:
+    batch = rl_batch(args.batch_size, args.seq_len, hf_model.config.vocab_size)
+    sides = {
+        "ours": our_update(engine, batch),
+        "HF": hf_update(hf_model, batch),
+    }
+    timings = {name: measure(update, args.warmup, args.train_steps) for name, update in sides.items()}
+    print_table(
+        f"Training: one RL update (forward + CISPO + backward + AdamW), batch {args.batch_size} x "
+        f"{args.seq_len} tokens, median of {args.train_steps} steps after {args.warmup} warm-up",
+        RATE_HEADER, rate_rows(float(batch.tokens.numel()), timings, "ours", TRAIN_TARGET),
+    )
+    print("\nstep time: " + "; ".join(f"{name} {t.wall_s:.2f} s wall / {t.cpu_s:.2f} s CPU" for name, t in timings.items()))
+
+
+def run_generation(engine, hf_model, args) -> None:
+    model = engine.module
+    vocab = hf_model.config.vocab_size
+    prompt = torch.randint(1, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(2))
+    # Warm-up: a short generation on each side (first-call allocations, lazy initializations).
+    our_generate(model, prompt[:64], 4)
+    hf_generate(hf_model, prompt[:64], 4)
+    prefill = {"ours": measure(lambda: our_prefill(model, prompt), 1, 3),
+               "HF": measure(lambda: hf_prefill(hf_model, prompt), 1, 3)}
+    timings, generated = {}, {}
+    for name, fn, target in (("ours", our_generate, model), ("HF", hf_generate, hf_model)):
+        wall, cpu = time.perf_counter(), time.process_time()
+        generated[name] = fn(target, prompt, args.gen_tokens)
+        timings[name] = Timing(time.perf_counter() - wall, time.process_time() - cpu)
+        assert len(generated[name]) == args.gen_tokens, (name, len(generated[name]))
+    print_table(
+        f"Generation: batch 1, greedy, {args.prompt_tokens}-token prompt + {args.gen_tokens} new tokens "
+        f"(new tokens / time of the whole call, prefill included)",
+        RATE_HEADER, rate_rows(float(args.gen_tokens), timings, "ours", GENERATION_TARGET),
+    )
+    rows = []
+    for name, total in timings.items():
+        per_token = 1e3 * (total.wall_s - prefill[name].wall_s) / max(args.gen_tokens - 1, 1)
+        rows.append([name, f"{1e3 * prefill[name].wall_s:.0f}", f"{1e3 * prefill[name].cpu_s:.0f}", f"{per_token:.1f}"])
+    print_table("Where generation time goes (wall clock; prefill: median of 3)",
+                ["side", "prefill ms", "prefill CPU ms", "ms per new token (total - prefill)"], rows)
+    print(f"\ngreedy tokens identical for the first {first_difference(generated['ours'], generated['HF'])} of "
+          f"{args.gen_tokens} (same weights; fp32 round-off may flip a near-tie of the random model)")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per RL update")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence in the RL update")
+    parser.add_argument("--train-steps", type=int, default=5, help="timed RL updates per side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed RL updates per side first")
+    parser.add_argument("--prompt-tokens", type=int, default=1000, help="prompt length for generation")
+    parser.add_argument("--gen-tokens", type=int, default=1000, help="new tokens per generation")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    parser.add_argument("--skip", choices=("train", "generate"), help="leave out one part")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    small = model_config("small")
+    # HF rotates whole heads; so does our model with rotary_dim = head_dim (MODEL.md).
+    config = small.replace(rotary_dim=small.head_dim)
+    engine, hf_model = build_models(config)
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"parameters: ours {parameter_count(engine.module):,}, HF {parameter_count(hf_model):,} "
+          f"(HF {implementations(hf_model)})")
+    if args.skip != "generate":
+        run_generation(engine, hf_model, args)
+    if args.skip != "train":
+        run_training(engine, hf_model, args)
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
