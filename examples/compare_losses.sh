@@ -5,7 +5,7 @@
 # steps-to-accuracy table to RUN_DIR/table.md. Every RL run is one process; JOBS of them run at once.
 # Environment variables (defaults in brackets):
 #   LOSSES [cispo dapo grpo reinforce]   SEEDS [0 1 2]   JOBS [2] runs at once
-#   STEPS [40] RL steps per run          LR [2e-4] RL learning rate (constant after warm-up)
+#   STEPS [40] RL steps per run          LR [5e-5] RL learning rate (constant after warm-up)
 #   PROMPTS [32] prompts per rollout batch, GROUP [8] samples per prompt, UPDATES [16] optimizer
 #   steps per rollout batch (each on PROMPTS*GROUP/UPDATES samples; M1 used 16)
 #   SFT_STEPS [the quick start's] steps of the shared warm start   EVAL_EVERY [4] steps between evaluations
@@ -26,7 +26,7 @@ LOSSES="${LOSSES:-cispo dapo grpo reinforce}"
 SEEDS="${SEEDS:-0 1 2}"
 JOBS="${JOBS:-2}"
 STEPS="${STEPS:-40}"
-LR="${LR:-2e-4}"
+LR="${LR:-5e-5}"
 PROMPTS="${PROMPTS:-32}"
 GROUP="${GROUP:-8}"
 UPDATES="${UPDATES:-16}"
