@@ -22,6 +22,7 @@ from megacispo.data import PromptRecord, PromptSampler, encode_prompt
 from megacispo.engine import Engine
 from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
 from megacispo.metrics import MetricsLogger, Timer, moe_load_balance, pearson_correlation
+from megacispo.parallel.layout import broadcast_from_last_stage
 from megacispo.rewards import get_reward_fn, score_responses
 from megacispo.rollout import Samples, generate, response_token_ids
 from megacispo.tokenizer import Tokenizer
@@ -266,7 +267,8 @@ class Trainer:
         outputs = self.engine.run_micro_batches(self._micro_batches(batch), forward_step, forward_only=True)
         self.engine.train(True)
         logprobs = torch.cat([out["logprobs"] for out in outputs]) if outputs else torch.empty_like(batch.rollout_logprobs)
-        return self._from_last_stage(logprobs)
+        # Every stage holds the rollouts and their bookkeeping; only the last computes log-probs.
+        return broadcast_from_last_stage(logprobs, self.engine.groups.pp)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """K optimizer steps, each on 1/K of the rollout batch (M1's off-policy updates)."""
@@ -389,15 +391,6 @@ class Trainer:
         gathered: list = [None] * self.dp_size
         dist.all_gather_object(gathered, tensors, group=self.engine.dp_group)
         return [torch.cat(parts) for parts in zip(*gathered)]
-
-    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last pipeline stage's ``tensor`` on every stage, in place: every stage holds the
-        rollouts and their bookkeeping, but only the last one computes log-probs."""
-        pp_group = self.engine.groups.pp
-        pp_size = dist.get_world_size(pp_group)
-        if pp_size > 1:
-            dist.broadcast(tensor, src=dist.get_global_rank(pp_group, pp_size - 1), group=pp_group)
-        return tensor
 
     def _all_reduce_sum(self, value: float) -> float:
         tensor = torch.tensor(value, dtype=torch.float64)

@@ -37,6 +37,7 @@ from megatron.core.utils import get_pg_rank
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
 from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32
+from megacispo.parallel.layout import broadcast_from_last_stage
 
 
 class HybridModel(LanguageModule):
@@ -217,7 +218,7 @@ class HybridModel(LanguageModule):
         its output on; the last stage's logits are then broadcast to all stages.
         """
         pp_group = self.pg_collection.pp
-        pp_rank, pp_size = torch.distributed.get_rank(pp_group), torch.distributed.get_world_size(pp_group)
+        pp_rank = torch.distributed.get_rank(pp_group)
         batch, length = input_ids.shape
         if not self.pre_process:
             received = torch.empty(length, batch, self.config.hidden_size, dtype=next(self.decoder.parameters()).dtype)
@@ -238,10 +239,7 @@ class HybridModel(LanguageModule):
             next_stage = torch.distributed.get_global_rank(pp_group, pp_rank + 1)
             torch.distributed.send(hidden.contiguous(), dst=next_stage, group=pp_group)
             logits = torch.empty(batch, 1 if last_only else length, self.vocab_size, dtype=torch.float32)
-        if pp_size > 1:
-            last_stage = torch.distributed.get_global_rank(pp_group, pp_size - 1)
-            torch.distributed.broadcast(logits, src=last_stage, group=pp_group)
-        return logits
+        return broadcast_from_last_stage(logits, pp_group)
 
     @contextlib.contextmanager
     def _sequence_parallel_off(self) -> Iterator[None]:

@@ -150,6 +150,16 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def broadcast_from_last_stage(tensor: torch.Tensor, pp_group) -> torch.Tensor:
+    """The last pipeline stage's ``tensor`` on every stage of ``pp_group``, in place (a no-op
+    without pipeline parallelism): what only the last stage computes (logits, log-probs), every
+    stage needs to take the same next step."""
+    pp_size = torch.distributed.get_world_size(pp_group)
+    if pp_size > 1:
+        torch.distributed.broadcast(tensor, src=torch.distributed.get_global_rank(pp_group, pp_size - 1), group=pp_group)
+    return tensor
+
+
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
