@@ -10,9 +10,9 @@ loss on the rest, one advantage per sequence, old log-probs near the current one
 
 - ours: ``megacispo.engine.Engine`` (Megatron DDP, distributed optimizer AdamW with gradient
   clipping 1.0) running the forward step of ``Trainer._update_once``: the final hidden states into
-  ``Engine.token_logprobs`` (the fused, chunked fp32 LM head with the entropy metric; the
-  [b, S, V] logits are never held), ``compute_policy_loss("cispo")``, Megatron's MoE
-  load-balancing loss, backward through Megatron's schedule, then ``Engine.step()``;
+  ``Engine.token_logprobs`` (the fused, tiled fp32 LM head on the response positions only, with
+  the entropy metric), ``compute_policy_loss("cispo")``, Megatron's MoE load-balancing loss,
+  backward through Megatron's schedule, then ``Engine.step()`` (torch's fused AdamW on CPU);
 - HF: ``model(input_ids, output_router_logits=True)``, log_softmax over the logits, the same CISPO
   token loss (detached clipped IS weight times advantage times log-prob, divided by the number of
   response tokens) plus ``router_aux_loss_coef`` times HF's load-balancing loss, backward,
@@ -23,15 +23,16 @@ grouped matmul per projection for all experts), and its own lightning attention 
 Python loop over blocks of block_size (intra-block masked QK^T V plus the inter-block state) for
 prompts and training, one recurrent state update per token when decoding with a cache.
 
-Generation, batch 1, greedy, a random prompt: ``megacispo.rollout.generate`` (prefill, then one
-``decode_step`` per token, sampling bookkeeping included) vs ``model.generate(do_sample=False,
-min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
+Generation, greedy, at batch 1 (latency) and batch 8 (a group of samples of one RL prompt; distinct
+random prompts of one length, so neither side pads): ``megacispo.rollout.generate`` (prefill, then
+one ``decode_step`` per token: the lean single-process step, sampling bookkeeping included) vs
+``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
 
 Times are the median over the timed steps, as wall clock and as this process's CPU time (the sum
 over its threads: less sensitive to other jobs on a shared machine, but it counts a thread that
 spins at a barrier as busy).
 
-    .venv/bin/python benchmarks/rl_vs_hf.py [--train-steps 5] [--gen-tokens 1000]
+    .venv/bin/python benchmarks/rl_vs_hf.py [--train-steps 5] [--gen-tokens 1000] [--gen-batch 1 8]
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def our_update(engine, batch: RLBatch) -> Callable[[], None]:
         hidden = model(micro.tokens, return_hidden_states=True)
 
         def loss_func(output):
-            logprobs, entropy = engine.token_logprobs(output, micro.tokens[:, 1:], compute_entropy=True)
+            logprobs, entropy = engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,
+                                                        compute_entropy=True)
             loss, metrics = compute_policy_loss("cispo", logprobs, micro.old_logprobs, micro.advantages,
                                                 micro.loss_mask, counts, eps_high=CISPO_EPS_HIGH)
             metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
@@ -192,33 +194,34 @@ def hf_update(hf_model, batch: RLBatch) -> Callable[[], None]:
 # Generation
 
 
-def our_generate(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def our_generate(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """prompts [b, P] -> the greedy new tokens [b, new_tokens]."""
     from megacispo.config import RolloutConfig
     from megacispo.rollout import generate
 
     config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0)
     # eos_id -1 never matches: every sample runs all new_tokens steps, as min_new_tokens forces in HF.
-    samples = generate(model, [prompt.tolist()], config, eos_id=-1, pad_id=0, generator=torch.Generator())
-    return samples.tokens[0, len(prompt) :]
+    samples = generate(model, prompts.tolist(), config, eos_id=-1, pad_id=0, generator=torch.Generator())
+    return samples.tokens[:, prompts.shape[1] :]
 
 
-def hf_generate(hf_model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def hf_generate(hf_model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     output = hf_model.generate(
-        prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=new_tokens,
+        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
     )
-    return output[0, len(prompt) :]
+    return output[:, prompts.shape[1] :]
 
 
-def our_prefill(model, prompt: torch.Tensor) -> None:
+def our_prefill(model, prompts: torch.Tensor) -> None:
     model.eval()
-    model.prefill(prompt[None])
+    model.prefill(prompts)
 
 
-def hf_prefill(hf_model, prompt: torch.Tensor) -> None:
+def hf_prefill(hf_model, prompts: torch.Tensor) -> None:
     hf_model.eval()
     with torch.no_grad():
-        hf_model(input_ids=prompt[None], use_cache=True, logits_to_keep=1)
+        hf_model(input_ids=prompts, use_cache=True, logits_to_keep=1)
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -278,31 +281,35 @@ def run_training(engine, hf_model, args) -> None:
 def run_generation(engine, hf_model, args) -> None:
     model = engine.module
     vocab = hf_model.config.vocab_size
-    prompt = torch.randint(1, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(2))
     # Warm-up: a short generation on each side (first-call allocations, lazy initializations).
-    our_generate(model, prompt[:64], 4)
-    hf_generate(hf_model, prompt[:64], 4)
-    prefill = {"ours": measure(lambda: our_prefill(model, prompt), 1, 3),
-               "HF": measure(lambda: hf_prefill(hf_model, prompt), 1, 3)}
-    timings, generated = {}, {}
-    for name, fn, target in (("ours", our_generate, model), ("HF", hf_generate, hf_model)):
-        wall, cpu = time.perf_counter(), time.process_time()
-        generated[name] = fn(target, prompt, args.gen_tokens)
-        timings[name] = Timing(time.perf_counter() - wall, time.process_time() - cpu)
-        assert len(generated[name]) == args.gen_tokens, (name, len(generated[name]))
-    print_table(
-        f"Generation: batch 1, greedy, {args.prompt_tokens}-token prompt + {args.gen_tokens} new tokens "
-        f"(new tokens / time of the whole call, prefill included)",
-        RATE_HEADER, rate_rows(float(args.gen_tokens), timings, "ours", GENERATION_TARGET),
-    )
-    rows = []
-    for name, total in timings.items():
-        per_token = 1e3 * (total.wall_s - prefill[name].wall_s) / max(args.gen_tokens - 1, 1)
-        rows.append([name, f"{1e3 * prefill[name].wall_s:.0f}", f"{1e3 * prefill[name].cpu_s:.0f}", f"{per_token:.1f}"])
-    print_table("Where generation time goes (wall clock; prefill: median of 3)",
-                ["side", "prefill ms", "prefill CPU ms", "ms per new token (total - prefill)"], rows)
-    print(f"\ngreedy tokens identical for the first {first_difference(generated['ours'], generated['HF'])} of "
-          f"{args.gen_tokens} (same weights; fp32 round-off may flip a near-tie of the random model)")
+    warm = torch.randint(1, vocab, (1, 64), generator=torch.Generator().manual_seed(3))
+    our_generate(model, warm, 4)
+    hf_generate(hf_model, warm, 4)
+    for batch_size in args.gen_batch:
+        # Distinct random prompts of one length: no padding on either side.
+        prompts = torch.randint(1, vocab, (batch_size, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
+        prefill = {"ours": measure(lambda: our_prefill(model, prompts), 1, 3),
+                   "HF": measure(lambda: hf_prefill(hf_model, prompts), 1, 3)}
+        timings, generated = {}, {}
+        for name, fn, target in (("ours", our_generate, model), ("HF", hf_generate, hf_model)):
+            wall, cpu = time.perf_counter(), time.process_time()
+            generated[name] = fn(target, prompts, args.gen_tokens)
+            timings[name] = Timing(time.perf_counter() - wall, time.process_time() - cpu)
+            assert generated[name].shape == (batch_size, args.gen_tokens), (name, generated[name].shape)
+        print_table(
+            f"Generation: batch {batch_size}, greedy, {args.prompt_tokens}-token prompts + {args.gen_tokens} new "
+            f"tokens each (new tokens / time of the whole call, prefill included)",
+            RATE_HEADER, rate_rows(float(batch_size * args.gen_tokens), timings, "ours", GENERATION_TARGET),
+        )
+        rows = []
+        for name, total in timings.items():
+            per_step = 1e3 * (total.wall_s - prefill[name].wall_s) / max(args.gen_tokens - 1, 1)
+            rows.append([name, f"{1e3 * prefill[name].wall_s:.0f}", f"{1e3 * prefill[name].cpu_s:.0f}", f"{per_step:.1f}"])
+        print_table(f"Where generation time goes, batch {batch_size} (wall clock; prefill: median of 3)",
+                    ["side", "prefill ms", "prefill CPU ms", "ms per decode step (total - prefill)"], rows)
+        same = [first_difference(ours, theirs) for ours, theirs in zip(generated["ours"], generated["HF"])]
+        print(f"\ngreedy tokens identical for the first {min(same)} of {args.gen_tokens} in every row (same "
+              f"weights; fp32 round-off may flip a near-tie of the random model)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -313,6 +320,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed RL updates per side first")
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="prompt length for generation")
     parser.add_argument("--gen-tokens", type=int, default=1000, help="new tokens per generation")
+    parser.add_argument("--gen-batch", type=int, nargs="+", default=[1, 8],
+                        help="sequences generated at once (1: latency; 8: a group of samples of one RL prompt)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--skip", choices=("train", "generate"), help="leave out one part")
     return parser.parse_args()

@@ -1,6 +1,6 @@
 """Last hidden states -> LM head -> CISPO loss, forward + backward, TP=2 on CPU: fused vs naive.
 
-- fused: ``lm_head_logprobs`` (FP32 head, logits chunk by chunk, recomputed in the backward, never
+- fused: ``lm_head_logprobs`` (FP32 head, logits tile by tile, recomputed in the backward, never
   gathered) behind ``lm_head_input`` (mcore's copy_to_tensor_model_parallel_region);
 - naive: mcore ColumnParallelLinear's forward (copy_to + linear) for the [tokens, V/TP] logits,
   all-gather of the vocabulary (gather_from_tensor_model_parallel_region), log_softmax over
@@ -38,7 +38,7 @@ from torch.distributed import ProcessGroup
 from megacispo.losses import compute_policy_loss
 from megacispo.parallel.multiprocess import run_distributed
 from megacispo.parallel.vocab_parallel import (
-    default_chunk_size,
+    default_tile,
     lm_head_input,
     lm_head_logprobs,
     vocab_parallel_logprobs,
@@ -73,9 +73,9 @@ def unfused_logprobs(
 
 
 def fused_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup, chunk_size: int | None
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: ProcessGroup, tile: tuple[int, int]
 ) -> torch.Tensor:
-    logprobs, _ = lm_head_logprobs(lm_head_input(hidden, group), weight, targets, group, chunk_size)
+    logprobs, _ = lm_head_logprobs(lm_head_input(hidden, group), weight, targets, group, *tile)
     return logprobs
 
 
@@ -92,7 +92,7 @@ def reset_peak_rss() -> float:
     return _proc_status_mib("VmRSS")
 
 
-def measure(method: str, tokens: int, vocab: int, hidden_size: int, chunk_size: int | None, repeats: int) -> dict:
+def measure(method: str, tokens: int, vocab: int, hidden_size: int, tile: tuple[int, int], repeats: int) -> dict:
     """One rank's run: warm-up step plus ``repeats`` timed steps of ``method``."""
     from megatron.core import parallel_state
 
@@ -112,7 +112,7 @@ def measure(method: str, tokens: int, vocab: int, hidden_size: int, chunk_size: 
     advantages = torch.randn(1, generator=gen)
     loss_mask = torch.ones(1, tokens)
     step_logprobs: Callable[[], torch.Tensor] = {
-        "fused": lambda: fused_logprobs(hidden, weight, targets, group, chunk_size),
+        "fused": lambda: fused_logprobs(hidden, weight, targets, group, tile),
         "naive": lambda: naive_logprobs(hidden, weight, targets, group),
         "unfused": lambda: unfused_logprobs(hidden, weight, targets, group),
     }[method]
@@ -159,22 +159,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="response tokens of the one sequence")
     parser.add_argument("--vocab", type=int, default=200_064)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--chunk-size", type=int, default=None, help="fused head tokens per chunk (default ~64 MiB)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="fused head tokens per tile (default: default_tile)")
+    parser.add_argument("--vocab-chunk-size", type=int, default=None, help="fused head vocabulary columns per tile")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per method (after one warm-up)")
     args = parser.parse_args()
 
     tokens = fitting_tokens(args.tokens, args.vocab)
     if tokens != args.tokens:
         print(f"the naive path at {args.tokens} tokens would not fit in the available memory: comparing at {tokens}\n")
-    chunk_size = args.chunk_size or default_chunk_size(args.vocab // TP)
+    default_tokens, default_columns = default_tile(tokens, args.vocab // TP, torch.device("cpu"))
+    tile = (args.chunk_size or default_tokens, args.vocab_chunk_size or default_columns)
     print(
         f"TP={TP} on CPU (gloo), vocab {args.vocab}, hidden {args.hidden}, 1 sequence x {tokens} tokens, fp32, "
-        f"forward + backward to the CISPO loss, fused chunk {chunk_size} tokens, median of {args.repeats} steps, "
+        f"forward + backward to the CISPO loss, fused tile {tile[0]} tokens x {tile[1]} columns, median of {args.repeats} steps, "
         f"torch {torch.__version__}, {max(1, (os.cpu_count() or 1) // TP)} thread(s) per rank\n"
     )
     results = {
         method: run_distributed(
-            measure, TP, method, tokens, args.vocab, args.hidden, args.chunk_size, args.repeats, timeout_s=3600
+            measure, TP, method, tokens, args.vocab, args.hidden, tile, args.repeats, timeout_s=3600
         )
         for method in ("naive", "unfused", "fused")
     }

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -135,24 +136,40 @@ class Engine:
         )
 
     def token_logprobs(
-        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, compute_entropy: bool = False
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [b, T] of ``targets`` under the tempered policy, and its entropy (detached, for
-        logging) or None. hidden: the model's final hidden states [S(/TP), b, H] (``model(input,
+        logging) or None, at the positions where ``loss_mask`` [b, T] is non-zero; 0 elsewhere.
+        hidden: the model's final hidden states [S(/TP), b, H] (``model(input,
         return_hidden_states=True)`` on the last stage); targets [b, T], T <= S: the token each of the
         first T input positions predicts (the input shifted by one).
 
-        Through the fused LM head in fp32: each TP rank multiplies by its vocabulary shard a chunk of
+        Through the fused LM head in fp32: each TP rank multiplies by its vocabulary shard a tile of
         tokens at a time, so the [b, S, V] logits are never held whole, not even one rank's shard.
+        Only the masked-in positions go through the head (prompts and padding take no log-prob, and
+        the head is the largest matmul of a small model's step); the mask is the same on every TP rank.
         """
         head_input = lm_head_input(hidden, self.tp_group, self.megatron_config.sequence_parallel)
         head_input = head_input[: targets.shape[1]]  # [T, b, H]
         if temperature > 0:
             # (h W^T) / T = (h / T) W^T: the tempered logits without touching the head.
             head_input = head_input / temperature
-        logprobs, entropy = lm_head_logprobs(head_input, self.module.lm_head_weight, targets.T.contiguous(),
-                                             self.tp_group, compute_entropy=compute_entropy)  # [T, b]
-        return logprobs.T, None if entropy is None else entropy.T
+        positions = loss_mask.T.reshape(-1).nonzero().squeeze(-1)  # [n] into the [T * b] positions
+        logprobs, entropy = lm_head_logprobs(
+            head_input.reshape(-1, head_input.shape[-1]).index_select(0, positions),
+            self.module.lm_head_weight, targets.T.reshape(-1)[positions], self.tp_group,
+            compute_entropy=compute_entropy,
+        )  # [n]
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            return values.new_zeros(targets.numel()).index_copy(0, positions, values).view(targets.T.shape).T
+
+        return scatter(logprobs), None if entropy is None else scatter(entropy)
 
     def padded_length(self, length: int) -> int:
         """Sequence parallelism splits each sequence over the TP ranks: batches are right-padded to a
@@ -169,17 +186,24 @@ class Engine:
         return float(num_micro_batches * self.data_parallel_size)
 
     def step(self) -> StepResult:
-        """Apply the accumulated gradients, unless their norm is not finite."""
-        # The norm is taken over the optimizer's gradients, which hold nothing until prepare_grads
-        # copies DDP's buffers in (into the fp32 master gradients with bf16 weights). step() repeats
-        # the copy; it is idempotent.
+        """Apply the accumulated gradients, clipped to optimizer.clip_grad, unless their norm is not
+        finite. This is Megatron's ChainedOptimizer.step with the finiteness check added between the
+        norm and the update, taking the norm (a pass over every gradient) once."""
+        # DDP's buffers into the optimizer's gradients (the fp32 master gradients with bf16 weights).
         self.optimizer.prepare_grads()
         grad_norm = self.optimizer.get_grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad()
             return StepResult(applied=False, grad_norm=grad_norm, lr=lr)
-        self.optimizer.step()
+        clip_grad = self.config.optimizer.clip_grad
+        if clip_grad > 0:
+            for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                parameters = optimizer.get_parameters()
+                if parameters and not getattr(optimizer, "is_stub_optimizer", False):
+                    # Looked up at call time: the CPU back-end replaces it after this module is imported.
+                    clip_grads.clip_grad_by_total_norm_fp32(parameters, clip_grad, grad_norm)
+        self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
         return StepResult(applied=True, grad_norm=grad_norm, lr=lr)
 

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             hidden = model(micro.tokens, return_hidden_states=True)
 
             def loss_func(output):
-                logprobs, _ = engine.token_logprobs(output, micro.labels)
+                logprobs, _ = engine.token_logprobs(output, micro.labels, micro.loss_mask)
                 loss = -(logprobs * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
                 return loss * scale, {"sft/loss": loss.detach().clone()}
 

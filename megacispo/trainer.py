@@ -261,7 +261,8 @@ class Trainer:
         def forward_step(micro: TrainBatch, model):
             hidden = model(micro.tokens, return_hidden_states=True)
             return hidden, lambda output: (
-                output.sum() * 0, {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], temperature)[0]})
+                output.sum() * 0,
+                {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask, temperature)[0]})
 
         self.engine.train(False)
         outputs = self.engine.run_micro_batches(self._micro_batches(batch), forward_step, forward_only=True)
@@ -293,8 +294,8 @@ class Trainer:
             hidden = model(micro.tokens, return_hidden_states=True)
 
             def loss_func(output):
-                logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], temperature,
-                                                                compute_entropy=True)
+                logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,
+                                                                temperature, compute_entropy=True)
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
                                                     micro.loss_mask, counts, **loss_config.params)
                 metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)

@@ -46,7 +46,13 @@ from megatron.core.utils import get_pg_rank
 from megacispo.models import te_specs
 from megacispo.models.config import LIGHTNING, HybridModelConfig
 from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP
-from megacispo.models.layers import RMSNorm, local_column_parallel_linear, row_parallel_linear
+from megacispo.models.layers import (
+    InferenceCache,
+    RMSNorm,
+    local_column_parallel_linear,
+    row_parallel_linear,
+    scalar_operand,
+)
 from megacispo.models.lightning_mixer import LightningMixer, LightningMixerSubmodules
 from megacispo.models.softmax_attention import SoftmaxAttention, SoftmaxAttentionSubmodules
 
@@ -143,10 +149,34 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
             packed_seq_params=packed_seq_params,
             inference_context=inference_context,
         )
-        hidden_states = self.mixer_alpha * normed + self.mixer_beta * mixed
+        hidden_states = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
         normed = self.pre_mlp_layernorm(hidden_states)
         moe_out, _ = self.mlp(normed)
-        return self.mlp_alpha * normed + self.mlp_beta * moe_out
+        return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, moe_out)
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        cache: InferenceCache,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
+        what forward computes for a one-token decode step, through the mixer's and the MoE's
+        ``step`` (no Megatron linears, router or token dispatcher in this process).
+        rotary_pos_cos / _sin [b, 1, rotary_dim] at the token's position (softmax layers)."""
+        normed = self.input_layernorm(hidden)
+        mixed = self.self_attention.step(normed, cache, rotary_pos_cos, rotary_pos_sin)
+        hidden = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
+        normed = self.pre_mlp_layernorm(hidden)
+        return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, self.mlp.step(normed))
+
+
+def scaled_residual(alpha: float, normed: torch.Tensor, beta: float, update: torch.Tensor) -> torch.Tensor:
+    """MiniMax's post-norm residual alpha * normed + beta * update (the residual carries the
+    normalized input). beta = 1 (MiniMax's value) skips that product: multiplying by 1 is exact."""
+    scaled_update = update if beta == 1.0 else scalar_operand(beta, update) * update
+    return scalar_operand(alpha, normed) * normed + scaled_update
 
 
 def local_moe_spec(num_experts: int) -> ModuleSpec:

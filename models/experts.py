@@ -27,7 +27,10 @@ SequentialMLP's own forward.
 ``InProcessMoELayer`` is Megatron's MoELayer (same submodules and keys) that, when no gradient is
 recorded and every expert and token is in this process (EP = TP = 1: decoding, evaluation),
 hands the routed tokens to the experts directly instead of through the token dispatcher, whose
-permute / sort / unpermute bookkeeping cost a CPU decode step about as much as the experts.
+permute / sort / unpermute bookkeeping cost a CPU decode step about as much as the experts. Its
+``step`` (HybridModel's lean decode step, one token per sequence) also does the router's math
+itself, as TopKRouter computes it for this model's configuration, without the router module's
+autograd function and [tokens, experts] routing map; one sequence runs just its top-k experts.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megacispo.models.layers import few_rows_linear
 
 
 def supports_fused_forward(config: TransformerConfig) -> bool:
@@ -67,15 +72,14 @@ class SkipEmptySequentialMLP(SequentialMLP):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         counts = tokens_per_expert.tolist()
         run_idle = torch.is_grad_enabled()
-        outputs = []
-        start = 0
-        for expert, count in zip(self.local_experts, counts):
-            if count or run_idle:
-                end = start + count
-                outputs.append(
-                    self._expert_mlp(expert, permuted_local_hidden_states[start:end], permuted_probs[start:end])
-                )
-                start = end
+        # One split, whose backward is one cat, rather than a slice per expert, whose backward
+        # would write a zero tensor of all n rows for each expert and add them up.
+        rows, probs = permuted_local_hidden_states.split(counts), permuted_probs.split(counts)
+        outputs = [
+            self._expert_mlp(expert, expert_rows, expert_probs)
+            for expert, expert_rows, expert_probs, count in zip(self.local_experts, rows, probs, counts)
+            if count or run_idle
+        ]
         if not outputs:
             return permuted_local_hidden_states.new_empty(0, self.config.hidden_size), None
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)), None
@@ -84,14 +88,48 @@ class SkipEmptySequentialMLP(SequentialMLP):
     def _expert_mlp(expert: torch.nn.Module, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens [m, H] with routing weights [m] -> [m, H], as Megatron's MLP
         computes it (the weight is applied after the SwiGLU, in fp32 when probs are, then cast back)."""
-        gate, up = F.linear(tokens, expert.linear_fc1.weight).chunk(2, dim=-1)
+        gate, up = few_rows_linear(tokens, expert.linear_fc1.weight).chunk(2, dim=-1)
         intermediate = F.silu(gate) * up
         intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
-        return F.linear(intermediate, expert.linear_fc2.weight)
+        return few_rows_linear(intermediate, expert.linear_fc2.weight)
 
 
 class InProcessMoELayer(MoELayer):
-    """MoELayer whose no-grad forward with all experts local routes tokens without the dispatcher."""
+    """MoELayer whose no-grad forward with all experts local routes tokens without the dispatcher,
+    and whose ``step`` (one token per sequence, decoding) also bypasses Megatron's router module."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        config = self.config
+        # Fixed by the layout and the config at construction: checked once, not per token.
+        self._all_local = (
+            self.attn_tp_group.size() == 1
+            and self.token_dispatcher.tp_size == 1
+            and self.token_dispatcher.ep_size == 1
+            and not self.use_shared_expert
+            and not config.moe_latent_size
+            and config.moe_expert_capacity_factor is None
+        )
+        # What ``_route_tokens`` reproduces of TopKRouter: the softmax over the top-k logits
+        # (topk_routing_with_score_function without pre-softmax, groups or fusion), no input jitter,
+        # no bias, no replay; its z-loss, aux losses and expert-bias counts only act under autograd.
+        self._plain_topk_router = (
+            config.moe_router_score_function == "softmax"
+            and not config.moe_router_pre_softmax
+            and not config.moe_router_group_topk
+            and not config.moe_router_fusion
+            and config.moe_input_jitter_eps is None
+            and not config.moe_router_force_load_balancing
+            and self.router.routing_type != "sinkhorn"
+            and self.router.bias is None
+            and self.router.router_replay is None
+        )
+        self._steps_directly = (
+            self._all_local
+            and self._plain_topk_router
+            and isinstance(self.experts, SkipEmptySequentialMLP)
+            and supports_fused_forward(config)
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: torch.Tensor | None = None
@@ -99,31 +137,63 @@ class InProcessMoELayer(MoELayer):
         """hidden_states [s, b, H] -> ([s, b, H], None), as MoELayer.forward."""
         if not self._routes_in_process(intermediate_tensors, padding_mask):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
-        return self._forward_in_process(hidden_states), None
-
-    def _routes_in_process(self, intermediate_tensors, padding_mask: torch.Tensor | None) -> bool:
-        config = self.config
-        return (
-            not torch.is_grad_enabled()
-            and intermediate_tensors is None
-            and padding_mask is None
-            and self.attn_tp_group.size() == 1
-            and self.token_dispatcher.tp_size == 1
-            and self.token_dispatcher.ep_size == 1
-            and not self.use_shared_expert
-            and not config.moe_latent_size
-            and config.moe_expert_capacity_factor is None
-        )
-
-    def _forward_in_process(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """What Megatron's permute, experts and unpermute compute in one process: the rows of each
-        expert in expert order (then token order), their routing weights, and the experts' outputs
-        summed back per token with index_add_ in that same order."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         probs, routing_map = self.route(hidden_states)  # [T, E] fp32, [T, E] bool
         expert_ids, token_ids = routing_map.T.nonzero(as_tuple=True)  # [n] each, sorted by expert
-        expert_outputs, _ = self.experts(
-            tokens.index_select(0, token_ids), routing_map.sum(dim=0), probs.T[expert_ids, token_ids]
-        )  # [n, H]
-        output = torch.zeros_like(tokens).index_add_(0, token_ids, expert_outputs.to(tokens.dtype))
-        return output.view(hidden_states.shape)
+        output = self._combine(tokens, token_ids, routing_map.sum(dim=0), probs.T[expert_ids, token_ids])
+        return output.view(hidden_states.shape), None
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One token per sequence (decoding): hidden [b, H] -> [b, H], what forward computes, with the
+        router's math done here (no router module, autograd function or [b, E] routing map). Runs
+        forward where it would not route in this process (EP or TP > 1, under autograd, ...)."""
+        if torch.is_grad_enabled() or not self._steps_directly:
+            output, _ = self.forward(hidden[None])
+            return output[0]
+        probs, top_experts = self._route_tokens(hidden)  # [b, k] each
+        if hidden.shape[0] == 1:
+            return self._step_one_token(hidden, probs[0], top_experts[0].tolist())
+        topk = top_experts.shape[1]
+        # Megatron's permutation: expert-major, token order within an expert (a stable sort of the
+        # token-major (token, slot) pairs by expert).
+        order = torch.argsort(top_experts.flatten(), stable=True)  # [b * k]
+        counts = torch.bincount(top_experts.flatten(), minlength=self.config.num_moe_experts)
+        return self._combine(hidden, order // topk, counts, probs.flatten()[order])
+
+    def _routes_in_process(self, intermediate_tensors, padding_mask: torch.Tensor | None) -> bool:
+        return (
+            self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None and padding_mask is None
+        )
+
+    def _route_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [T, H] -> (probs [T, k], experts [T, k]), as TopKRouter (``_plain_topk_router``)
+        computes them without autograd: the gating matmul in moe_router_dtype
+        (router_gating_linear), the top-k logits, softmax over them in fp32, then the scaling factor."""
+        config = self.config
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype, tokens.dtype)
+        logits = torch.mm(tokens.to(router_dtype), self.router.weight.to(router_dtype).t())  # [T, E]
+        scores, top_experts = torch.topk(logits, k=self.router.topk, dim=1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+        if config.moe_router_topk_scaling_factor:
+            probs = probs * config.moe_router_topk_scaling_factor
+        return probs, top_experts
+
+    def _step_one_token(self, token: torch.Tensor, probs: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        """token [1, H]; probs [k] of its experts ``experts``. Adds the experts' outputs in ascending
+        expert order, as _combine's index_add_ does (the same float sums)."""
+        output = None
+        for slot in sorted(range(len(experts)), key=experts.__getitem__):
+            expert = self.experts.local_experts[experts[slot]]
+            expert_output = SkipEmptySequentialMLP._expert_mlp(expert, token, probs[slot : slot + 1]).to(token.dtype)
+            output = expert_output if output is None else output + expert_output
+        return output
+
+    def _combine(
+        self, tokens: torch.Tensor, token_ids: torch.Tensor, tokens_per_expert: torch.Tensor, row_probs: torch.Tensor
+    ) -> torch.Tensor:
+        """What Megatron's permute, experts and unpermute compute in one process. tokens [T, H]; the
+        n routed rows in expert order (then token order): token_ids [n] and routing weights
+        row_probs [n]; tokens_per_expert [E]. The experts' outputs are summed back per token with
+        index_add_ in that same order. Returns [T, H]."""
+        expert_outputs, _ = self.experts(tokens.index_select(0, token_ids), tokens_per_expert, row_probs)  # [n, H]
+        return torch.zeros_like(tokens).index_add_(0, token_ids, expert_outputs.to(tokens.dtype))

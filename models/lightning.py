@@ -49,6 +49,8 @@ __all__ = [
     "lightning_attention_reference",
     "lightning_decay_rates",
     "lightning_decode_step",
+    "lightning_state_step",
+    "lightning_step_decay",
 ]
 
 # Blocks are processed in chunks of about this many tokens (at least one block). Small chunks keep
@@ -130,9 +132,28 @@ def lightning_decode_step(
     batch, num_heads, head_dim = q.shape
     _check_decay_shape(decay, num_heads)
     _check_state("state", state, (batch, num_heads, head_dim, head_dim))
-    step_decay = torch.exp(-decay.double()).to(state.dtype)[:, None, None]  # [h, 1, 1]
+    return lightning_state_step(q, k, v, lightning_step_decay(decay, state.dtype), state)
+
+
+def lightning_step_decay(decay: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """exp(-s_h) [h, 1, 1] in ``dtype`` (computed in fp64): one token's decay of the state."""
+    return torch.exp(-decay.double()).to(dtype)[:, None, None]
+
+
+def lightning_state_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step_decay: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lightning_decode_step`` without the checks, with the decay factors exp(-s_h) [h, 1, 1]
+    precomputed by ``lightning_step_decay``: the per-token path of a decoder that keeps them."""
     new_state = step_decay * state + k.unsqueeze(-1) * v.unsqueeze(-2)  # [b, h, d, d]
-    out = (q.unsqueeze(-2) @ new_state).squeeze(-2)  # [b, h, d]
+    if new_state.is_cpu:
+        # A CPU BLAS runs q_t S_t as b * h tiny GEMMs spread over its threads, which wait for each
+        # other when another process holds a core (milliseconds per call); a broadcast product
+        # summed over the key dim needs no thread for one sequence. A GPU reads the state once in
+        # the batched matmul.
+        out = (q.unsqueeze(-1) * new_state).sum(dim=-2)  # [b, h, d]
+    else:
+        out = (q.unsqueeze(-2) @ new_state).squeeze(-2)
     return out, new_state
 
 

@@ -28,11 +28,17 @@ from megacispo.models.layers import (
     InferenceCache,
     TensorParallelRMSNorm,
     at_least_fp32,
+    few_rows_linear,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
     row_parallel_linear,
 )
-from megacispo.models.lightning import lightning_attention, lightning_decay_rates, lightning_decode_step
+from megacispo.models.lightning import (
+    lightning_attention,
+    lightning_decay_rates,
+    lightning_state_step,
+    lightning_step_decay,
+)
 
 
 @dataclass
@@ -79,12 +85,20 @@ class LightningMixer(MegatronModule):
         # Derived from the layer index, not learned: kept out of the state dict and out of dtype casts.
         all_rates = lightning_decay_rates(config.num_attention_heads, self.layer_idx, config.num_layers)
         self._decay = all_rates[tp_rank * self.num_local_heads : (tp_rank + 1) * self.num_local_heads].clone()
+        self._step_decay: torch.Tensor | None = None
 
     def decay_rates(self, device: torch.device) -> torch.Tensor:
         """s_h [local heads] fp32 of this rank's heads (moved to the device once)."""
         if self._decay.device != device:
             self._decay = self._decay.to(device)
         return self._decay
+
+    def step_decay(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """exp(-s_h) [local heads, 1, 1] in ``dtype`` (lightning_step_decay of decay_rates), kept:
+        every decode step needs it."""
+        if self._step_decay is None or self._step_decay.device != device or self._step_decay.dtype != dtype:
+            self._step_decay = lightning_step_decay(self.decay_rates(device).to(dtype), dtype)
+        return self._step_decay
 
     def forward(
         self,
@@ -110,6 +124,27 @@ class LightningMixer(MegatronModule):
         out, _ = self.out_proj(torch.sigmoid(gate) * self.norm(out))
         return out
 
+    def step(
+        self,
+        hidden: torch.Tensor,
+        cache: InferenceCache,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
+        what forward computes for a one-token decode step, in the same op order and dtypes, with
+        plain matmuls on the projections' weights instead of Megatron's linears. The layer's state
+        in ``cache`` advances; rotary_pos_cos / _sin are unused (the mixers share one signature)."""
+        batch = hidden.shape[0]
+        qkv = F.silu(few_rows_linear(hidden, self.qkv_proj.weight)).reshape(batch, self.num_local_heads, 3 * self.head_dim)
+        q, k, v = at_least_fp32(qkv).split(self.head_dim, dim=-1)  # each [b, heads, d]
+        out, cache.lightning_states[self.layer_idx] = lightning_state_step(
+            q, k, v, self.step_decay(q.device, q.dtype), cache.lightning_states[self.layer_idx]
+        )
+        out = out.to(hidden.dtype).reshape(batch, -1)  # [b, heads * d]
+        gate = few_rows_linear(hidden, self.output_gate.weight)
+        return few_rows_linear(torch.sigmoid(gate) * self.norm(out), self.out_proj.weight)
+
     def _attend(
         self,
         q: torch.Tensor,
@@ -118,15 +153,15 @@ class LightningMixer(MegatronModule):
         packed_seq_params: PackedSeqParams | None,
         cache: InferenceCache | None,
     ) -> torch.Tensor:
-        decay = self.decay_rates(q.device).to(q.dtype)
         state = None if cache is None else cache.lightning_states.get(self.layer_idx)
         if state is not None and q.shape[1] == 1:
-            out, state = lightning_decode_step(q[:, 0], k[:, 0], v[:, 0], decay, state)
+            out, state = lightning_state_step(q[:, 0], k[:, 0], v[:, 0], self.step_decay(q.device, q.dtype), state)
             out = out[:, None]
         else:
             cu_seqlens = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
             out, state = lightning_attention(
-                q, k, v, decay, initial_state=state, cu_seqlens=cu_seqlens, block_size=self.block_size
+                q, k, v, self.decay_rates(q.device).to(q.dtype), initial_state=state, cu_seqlens=cu_seqlens,
+                block_size=self.block_size,
             )
         if cache is not None:
             cache.lightning_states[self.layer_idx] = state

@@ -14,7 +14,13 @@ Decoding (``prefill`` / ``decode_step``) batches left-padded prompts: pad tokens
 keys in softmax layers and get zero keys and values in lightning layers, whose state therefore
 stays exactly zero until a sequence's first real token. RoPE positions count real tokens only.
 It runs on the training model itself (a model built with sequence parallelism decodes as a plain
-TP model) and needs the whole model in one pipeline stage.
+TP model); under pipeline parallelism the stages decode one after the other.
+
+A decode step at TP = 1 in eval mode takes a lean path: the same modules and parameters, called
+through their ``step`` methods (plain matmuls on the weights, the router's math without Megatron's
+router module, no TransformerBlock), which compute what the Megatron modules compute for one token
+at a fraction of the per-op overhead. Prefill, TP > 1 and Transformer Engine layers use the
+Megatron modules; ``lean_decode = False`` forces them for decode steps too.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -36,7 +43,7 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
-from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32
+from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32, few_rows_linear
 from megacispo.parallel.layout import broadcast_from_last_stage
 
 
@@ -89,6 +96,20 @@ class HybridModel(LanguageModule):
                 bias=False, gather_output=False, tp_group=self.pg_collection.tp,
             )
         self.setup_embeddings_and_output_layer()
+        self.lean_decode = True
+        """Decode steps run the lean path where it applies (``_lean_step_applies``); False runs them
+        through Megatron's modules like prefill (tests compare the two)."""
+        # The lean path's conditions that are fixed at construction: one TP rank holds whole weights
+        # and the whole sequence, every layer is a local (not Transformer Engine) module whose
+        # weights are used as they are (no FP8 / FP4 casts), and the residual stream keeps the
+        # model's dtype.
+        self._lean_step_supported = (
+            self.pg_collection.tp.size() == 1
+            and config.transformer_impl == "local"
+            and not (config.fp8 or config.fp4)
+            and not config.sequence_parallel
+            and not config.fp32_residual_connection
+        )
 
     def set_input_tensor(self, input_tensor) -> None:
         """The previous pipeline stage's output (called by Megatron's schedules)."""
@@ -151,12 +172,15 @@ class HybridModel(LanguageModule):
         """This rank's vocab shard of the LM head, [V/TP, H]."""
         return self.output_layer.weight
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, *, plain: bool = False) -> torch.Tensor:
         """[s(/TP), b, H] -> [s, b, V/TP]; with fp32_lm_head the matmul and the logits are fp32 (the
-        bf16 weight is upcast; its gradient flows back through the cast)."""
+        bf16 weight is upcast; its gradient flows back through the cast). plain: a local matmul
+        instead of the ColumnParallelLinear (the lean decode step, TP = 1), any [..., H] input."""
         weight = self.output_layer.weight
         if self.hybrid_config.fp32_lm_head:
             hidden, weight = at_least_fp32(hidden), at_least_fp32(weight)
+        if plain:
+            return few_rows_linear(hidden, weight)
         logits, _ = self.output_layer(hidden, weight=weight)
         return logits
 
@@ -198,7 +222,7 @@ class HybridModel(LanguageModule):
         the cache advanced in place."""
         token_ids = token_ids.reshape(cache.batch_size, 1)
         position_ids = cache.next_positions[:, None]
-        cache.valid_mask = torch.cat((cache.valid_mask, torch.ones_like(cache.valid_mask[:, :1])), dim=1)
+        cache.append_token()
         logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True)
         cache.next_positions = cache.next_positions + 1
         return logits[:, -1], cache
@@ -216,30 +240,74 @@ class HybridModel(LanguageModule):
         Under pipeline parallelism the stages run one after the other: each receives the previous
         stage's hidden states [s, b, H], runs its layers against its part of the cache and sends
         its output on; the last stage's logits are then broadcast to all stages.
+
+        A one-token step takes the lean path where it applies (``_lean_step_applies``): the same
+        modules and weights, called through their ``step`` methods.
         """
         pp_group = self.pg_collection.pp
         pp_rank = torch.distributed.get_rank(pp_group)
         batch, length = input_ids.shape
+        received = None
         if not self.pre_process:
             received = torch.empty(length, batch, self.config.hidden_size, dtype=next(self.decoder.parameters()).dtype)
             torch.distributed.recv(received, src=torch.distributed.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
+        if length == 1 and self._lean_step_applies():
+            hidden, logits = self._lean_stage(input_ids[:, 0], position_ids, cache, received)
+        else:
+            hidden, logits = self._megatron_stage(input_ids, position_ids, attention_mask, cache, received, last_only)
+        if not self.post_process:
+            next_stage = torch.distributed.get_global_rank(pp_group, pp_rank + 1)
+            torch.distributed.send(hidden.contiguous(), dst=next_stage, group=pp_group)
+            logits = torch.empty(batch, 1 if last_only else length, self.vocab_size, dtype=torch.float32)
+        return broadcast_from_last_stage(logits, pp_group)
+
+    def _megatron_stage(
+        self, input_ids, position_ids, attention_mask, cache: InferenceCache, received: torch.Tensor | None,
+        last_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's forward through Megatron's modules: (hidden states [s, b, H], and on the last
+        stage the full-vocabulary fp32 logits [b, s or 1, V], else None)."""
+        if received is not None:
             self.set_input_tensor(received)
         with self._sequence_parallel_off():
             hidden = self.forward(
                 input_ids, position_ids, attention_mask, inference_context=cache, return_hidden_states=True
             )  # [s, b, H]
-            if self.post_process:
-                if last_only:
-                    hidden = hidden[-1:]
-                logits = self._logits(hidden).transpose(0, 1).contiguous()  # [b, s or 1, V/TP]
-        if self.post_process:
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
-            logits = at_least_fp32(logits).contiguous()
+            if not self.post_process:
+                return hidden, None
+            if last_only:
+                hidden = hidden[-1:]
+            logits = self._logits(hidden).transpose(0, 1).contiguous()  # [b, s or 1, V/TP]
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+        return hidden, at_least_fp32(logits).contiguous()
+
+    def _lean_stage(
+        self, token_ids: torch.Tensor, position_ids: torch.Tensor, cache: InferenceCache, received: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's part of a one-token decode step on the lean path: token_ids [b] (first stage)
+        or the previous stage's output ``received`` [1, b, H]; position_ids [b, 1]. Returns (hidden
+        states [1, b, H], and on the last stage the fp32 logits [b, 1, V], else None): what
+        _megatron_stage computes at TP = 1, through each module's ``step``. The embedding is a row
+        lookup (no position embedding; no dropout in eval mode)."""
+        if self.pre_process:
+            hidden = F.embedding(token_ids, self.embedding.word_embeddings.weight)  # [b, H]
         else:
-            next_stage = torch.distributed.get_global_rank(pp_group, pp_rank + 1)
-            torch.distributed.send(hidden.contiguous(), dst=next_stage, group=pp_group)
-            logits = torch.empty(batch, 1 if last_only else length, self.vocab_size, dtype=torch.float32)
-        return broadcast_from_last_stage(logits, pp_group)
+            hidden = received[0]
+        cos = sin = None
+        if self._has_softmax_layers:
+            cos, sin = self.rotary(position_ids)  # [b, 1, rotary_dim]
+        for layer in self.decoder.layers:
+            hidden = layer.step(hidden, cache, cos, sin)
+        if not self.post_process:
+            return hidden[None], None
+        hidden = self.decoder.final_layernorm(hidden)
+        return hidden[None], at_least_fp32(self._logits(hidden, plain=True))[:, None]
+
+    def _lean_step_applies(self) -> bool:
+        """Whether a one-token decode step can skip Megatron's TransformerBlock, parallel linears and
+        router: the layout allows it (``_lean_step_supported``), ``lean_decode`` is on, and nothing
+        is recorded for autograd or depends on training mode (dropout, router noise)."""
+        return self._lean_step_supported and self.lean_decode and not self.training and not torch.is_grad_enabled()
 
     @contextlib.contextmanager
     def _sequence_parallel_off(self) -> Iterator[None]:

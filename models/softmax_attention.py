@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megacispo.models.layers import (
     InferenceCache,
     apply_rotary,
+    few_rows_linear,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
     row_parallel_linear,
@@ -94,15 +95,41 @@ class SoftmaxAttention(MegatronModule):
         out, _ = self.o_proj(out)
         return out
 
+    def step(
+        self,
+        hidden: torch.Tensor,
+        cache: InferenceCache,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
+        what forward computes for a one-token decode step, with plain matmuls on the projections'
+        weights instead of Megatron's linears. rotary_pos_cos / _sin [b, 1, rotary_dim] at the
+        token's position; its key and value are appended to ``cache`` (whose valid_mask covers it)."""
+        batch = hidden.shape[0]
+        q = few_rows_linear(hidden, self.q_proj.weight).reshape(batch, self.num_local_heads, 1, self.head_dim)
+        k = few_rows_linear(hidden, self.k_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
+        v = few_rows_linear(hidden, self.v_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
+        q, k = apply_rotary(q, rotary_pos_cos, rotary_pos_sin), apply_rotary(k, rotary_pos_cos, rotary_pos_sin)
+        k, v = cache.extend_kv(self.layer_idx, k, v)  # [b, kv heads, T, d]
+        # The newest position sees every earlier one: only pad keys need a mask (the same booleans as
+        # _padded_causal_mask's last row, since the token itself is valid).
+        mask = cache.valid_mask[:, None, None, :] if cache.has_padding else None
+        out = self._attend(q, k, v, mask, causal=False)  # [b, heads, 1, d]
+        return few_rows_linear(out.reshape(batch, -1), self.o_proj.weight)
+
     def _heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[s, b, heads * d] -> [b, heads, s, d]."""
         seq_len, batch = projected.shape[:2]
         return projected.view(seq_len, batch, num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [b, heads, s, d], k and v [b, kv heads, T, d]; mask [b, 1, s, T] bool or None for causal."""
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, causal: bool = True
+    ) -> torch.Tensor:
+        """q [b, heads, s, d], k and v [b, kv heads, T, d]; mask [b, 1, s, T] bool, or None: causal
+        (s = T) with ``causal``, else every query sees every key."""
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5, enable_gqa=True
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.head_dim**-0.5, enable_gqa=True
         )
 
     def _attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor):

@@ -12,9 +12,9 @@ local max, the target logit where it owns the target, the entropy term), then tw
 [tokens]-sized vectors finish the job: an all-reduce MAX of the local maxima, and one all-reduce
 SUM of the local sums rescaled by exp(local max - global max) (that product is the spec's
 sum exp(z_local - m)), packed with the target logit (0 on the ranks that do not own it) and the
-entropy term. Rescaling lets the fused head reduce the statistics of all its token chunks at once,
-instead of two collectives per chunk. Memory stays O(tokens x V/TP), and the fused head cuts it
-to O(chunk x V/TP).
+entropy term. Rescaling lets the fused head merge the statistics of its tiles of logits (chunks of
+tokens x chunks of the shard's columns) and reduce those of all its tokens at once, instead of two
+collectives per tile. Memory stays O(tokens x V/TP), and the fused head cuts it to O(tile).
 
 The backward of logp w.r.t. this rank's logits is onehot_local(t) - softmax_local = onehot - exp(z
 - logsumexp): it needs only the per-token logsumexp, so it communicates nothing. All the math runs
@@ -32,10 +32,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# The fused head computes this many bytes of fp32 logits at a time, per rank: small enough that a
-# chunk and its exp are a rounding error next to the weights, large enough that each chunk's
-# matmul runs at full speed.
-LOGITS_CHUNK_BYTES = 64 * 2**20
+# The fused head computes about this many bytes of fp32 logits at a time, per rank. On a CPU a tile
+# that stays in the last-level cache makes the exp, the gradient and both matmuls of the backward
+# run from cache (the LM head of an RL update took half the time of 64 MiB chunks of whole rows,
+# benchmarks/rl_vs_hf.py); on a GPU a tile is large enough that each matmul runs at full speed.
+LOGITS_TILE_BYTES = {"cpu": 2 * 2**20, "cuda": 64 * 2**20}
+# Narrower tiles would turn the head's matmuls into thin ones that run below full speed.
+MIN_VOCAB_CHUNK = 1024
+# A call whose logits (this rank's shard) take at most this many bytes keeps them from the forward
+# for the backward instead of recomputing them: one matmul of four saved where memory is no
+# concern (a small model's RL update on CPU), the O(tile) memory of recomputation at scale.
+LOGITS_KEEP_BYTES = 256 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,40 +288,74 @@ def vocab_parallel_entropy(logits: torch.Tensor, tp_group: dist.ProcessGroup | N
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused, chunked LM head
+# The fused, tiled LM head
 # ---------------------------------------------------------------------------------------------
 
 
-def default_chunk_size(shard_width: int) -> int:
-    """Tokens per chunk so that one chunk of fp32 logits is about LOGITS_CHUNK_BYTES."""
-    return max(1, LOGITS_CHUNK_BYTES // (4 * shard_width))
+def default_tile(num_tokens: int, shard_width: int, device: torch.device) -> tuple[int, int]:
+    """(tokens, vocabulary columns) of one tile of fp32 logits of about ``LOGITS_TILE_BYTES[device]``:
+    the whole shard's width when the tokens allow, else narrower (never under MIN_VOCAB_CHUNK
+    columns, so that each matmul stays wide) and fewer tokens."""
+    elements = LOGITS_TILE_BYTES.get(device.type, LOGITS_TILE_BYTES["cuda"]) // 4
+    vocab_chunk = min(shard_width, max(MIN_VOCAB_CHUNK, elements // max(num_tokens, 1)))
+    return max(1, elements // vocab_chunk), vocab_chunk
 
 
-def _token_chunks(num_tokens: int, chunk_size: int) -> list[slice]:
+def _chunks(length: int, size: int) -> list[slice]:
     # At least one chunk, empty for an empty batch, so that it still yields (empty) statistics.
-    return [slice(start, start + chunk_size) for start in range(0, max(num_tokens, 1), chunk_size)]
+    return [slice(start, min(start + size, length)) for start in range(0, max(length, 1), size)]
+
+
+def _merge_stats(first: _ShardStats, second: _ShardStats) -> _ShardStats:
+    """The statistics of two disjoint column ranges as one: sums moved to the larger maximum, as
+    ``_reduce_over_vocab`` moves each rank's."""
+    local_max = torch.maximum(first.local_max, second.local_max)
+    offsets = [part.local_max - local_max for part in (first, second)]  # <= 0
+    scales = [offset.exp() for offset in offsets]
+    sum_exp = first.sum_exp * scales[0] + second.sum_exp * scales[1]
+    target_logit = None if first.target_logit is None else first.target_logit + second.target_logit
+    entropy_term = None
+    if first.entropy_term is not None:
+        entropy_term = sum(
+            scale * (part.entropy_term + part.sum_exp * offset)
+            for part, scale, offset in zip((first, second), scales, offsets)
+        )
+    return _ShardStats(local_max, sum_exp, target_logit, entropy_term)
 
 
 class _FusedLMHeadLogProbs(torch.autograd.Function):
     """hidden [tokens, H] x weight [V/TP, H] -> (logp [tokens], entropy [tokens] or None).
 
-    Logits exist one chunk of tokens at a time, in the forward and again (recomputed) in the
-    backward. grad_hidden is this rank's partial sum over its vocabulary shard and is NOT
-    reduced here: the caller's mapping on ``hidden`` (see ``lm_head_input``) reduces it, exactly
-    as ColumnParallelLinear's input mapping does. grad_weight is local (each rank owns its rows).
+    Logits exist one tile [token chunk, vocabulary chunk] at a time, in the forward and again
+    (recomputed) in the backward, unless they all fit in LOGITS_KEEP_BYTES: the forward then keeps
+    its tiles for the backward. grad_hidden is this rank's partial sum over its vocabulary shard
+    and is NOT reduced here: the caller's mapping on ``hidden`` (see ``lm_head_input``) reduces it,
+    exactly as ColumnParallelLinear's input mapping does. grad_weight is local (each rank owns its
+    rows): each vocabulary chunk's rows are written by the first token chunk and accumulated into
+    by the others.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, local_targets, owned, tp_group, chunk_size, compute_entropy):
+    def forward(ctx, hidden, weight, local_targets, owned, tp_group, tile, compute_entropy):
         compute_dtype = _compute_dtype(hidden, weight)
         compute_weight = weight.to(compute_dtype)  # [V/TP, H]
+        logits_bytes = hidden.shape[0] * weight.shape[0] * compute_weight.element_size()
+        ctx.kept_logits = [] if any(ctx.needs_input_grad[:2]) and logits_bytes <= LOGITS_KEEP_BYTES else None
         parts = []
-        for rows in _token_chunks(hidden.shape[0], chunk_size):
-            logits = hidden[rows].to(compute_dtype) @ compute_weight.T  # [chunk, V/TP]
-            parts.append(_shard_stats(logits, local_targets[rows], owned[rows], compute_entropy))
+        for rows in _chunks(hidden.shape[0], tile[0]):
+            chunk_hidden = hidden[rows].to(compute_dtype)
+            stats = None
+            for columns in _chunks(weight.shape[0], tile[1]):
+                logits = chunk_hidden @ compute_weight[columns].T  # [token chunk, vocabulary chunk]
+                if ctx.kept_logits is not None:
+                    ctx.kept_logits.append(logits)
+                targets, in_columns = _columns_targets(local_targets[rows], owned[rows], columns)
+                tile_stats = _shard_stats(logits, targets, in_columns, compute_entropy)
+                stats = tile_stats if stats is None else _merge_stats(stats, tile_stats)
+            parts.append(stats)
         results = _reduce_over_vocab(_ShardStats.cat(parts), tp_group)
         ctx.save_for_backward(hidden, weight, local_targets, owned, results.logsumexp)
-        ctx.chunk_size = chunk_size
+        ctx.tile = tile
         if results.entropy is None:
             return results.logprobs, None
         ctx.mark_non_differentiable(results.entropy)
@@ -327,23 +368,31 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
         compute_dtype = logsumexp.dtype
         compute_weight = weight.to(compute_dtype)
         grad_logprobs = grad_logprobs.to(compute_dtype)
-        grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
+        grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=compute_dtype, device=weight.device) if need_weight else None
-        for rows in _token_chunks(hidden.shape[0], ctx.chunk_size):
-            chunk_hidden = hidden[rows].to(compute_dtype)  # [chunk, H]
-            logits = chunk_hidden @ compute_weight.T
-            grad_logits = _grad_of_logits(
-                logits, logsumexp[rows], local_targets[rows], owned[rows], grad_logprobs[rows]
-            )
-            if need_hidden:
-                torch.mm(grad_logits, compute_weight, out=grad_hidden[rows])
-            if need_weight:
-                grad_weight.addmm_(grad_logits.T, chunk_hidden)
+        kept_logits = None if ctx.kept_logits is None else iter(ctx.kept_logits)  # in the forward's tile order
+        for rows in _chunks(hidden.shape[0], ctx.tile[0]):
+            chunk_hidden = hidden[rows].to(compute_dtype)  # [token chunk, H]
+            for columns in _chunks(weight.shape[0], ctx.tile[1]):
+                chunk_weight = compute_weight[columns]  # [vocabulary chunk, H]
+                logits = chunk_hidden @ chunk_weight.T if kept_logits is None else next(kept_logits)
+                targets, in_columns = _columns_targets(local_targets[rows], owned[rows], columns)
+                grad_logits = _grad_of_logits(logits, logsumexp[rows], targets, in_columns, grad_logprobs[rows])
+                if need_hidden:
+                    grad_hidden[rows].addmm_(grad_logits, chunk_weight)
+                if need_weight:
+                    grad_weight[columns].addmm_(grad_logits.T, chunk_hidden)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None, None, None, None, None,
         )
+
+
+def _columns_targets(local_targets: torch.Tensor, owned: torch.Tensor, columns: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index into the chunk of columns, clamped to a valid one; whether the chunk holds the target)."""
+    in_chunk_targets, in_chunk = _local_targets(local_targets, columns.start, columns.stop - columns.start)
+    return in_chunk_targets, owned & in_chunk
 
 
 def lm_head_input(
@@ -386,15 +435,17 @@ def lm_head_logprobs(
     targets: torch.Tensor,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
     compute_entropy: bool = False,
     check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the targets through the FP32 LM head, never holding all logits.
 
     Equals ``vocab_parallel_logprobs(lm_head_input(hidden) @ weight.T, targets)`` (mcore's
-    ColumnParallelLinear without bias) in value and gradient, with the logits computed ``chunk_size``
-    tokens at a time and recomputed in the backward: peak memory O(chunk x V/TP) instead of
-    O(tokens x V/TP), for one extra logits matmul.
+    ColumnParallelLinear without bias) in value and gradient, with the logits computed one tile of
+    ``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary columns at a time and recomputed in the
+    backward: peak memory O(tile) instead of O(tokens x V/TP), for one extra logits matmul (unless
+    this call's logits fit in LOGITS_KEEP_BYTES: then the forward keeps them for the backward).
 
     Args:
         hidden: [tokens, ..., H], the whole sequence on every TP rank, as returned by
@@ -403,7 +454,9 @@ def lm_head_logprobs(
         weight: [V/TP, H], this rank's rows of the output layer (Megatron's vocabulary split).
         targets: [tokens, ...], global token ids in [0, V), the same on every TP rank.
         tp_group: the tensor-parallel group; None: one process, the whole vocabulary.
-        chunk_size: tokens per chunk; None: ``default_chunk_size`` (about 64 MiB of fp32 logits).
+        chunk_size: tokens per tile; None: from ``default_tile`` (about LOGITS_TILE_BYTES of fp32
+            logits for the device).
+        vocab_chunk_size: vocabulary columns per tile; None: from ``default_tile``.
         compute_entropy: also return the per-token entropy (detached, for logging).
         check_targets: raise ValueError for ids outside [0, V). Costs one device-to-host sync.
 
@@ -417,21 +470,18 @@ def lm_head_logprobs(
             f"hidden has shape {tuple(hidden.shape)} but weight has shape {tuple(weight.shape)}: pass hidden "
             f"[tokens, ..., H] with H = {weight.shape[1]}, the weight's second dimension"
         )
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size = {chunk_size}: pass a positive number of tokens, or None for the default")
+    for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if size is not None and size < 1:
+            raise ValueError(f"{name} = {size}: pass a positive number, or None for the default")
     shard_width = weight.shape[0]
     vocab_size = shard_width * _group_rank_and_size(tp_group)[1]
     _check_targets(targets, hidden.shape[:-1], vocab_size, f"hidden has shape {tuple(hidden.shape)}", check_targets)
     local_targets, owned = _local_targets(
         targets.reshape(-1), _shard_start(shard_width, tp_group, None), shard_width
     )
+    default_tokens, default_columns = default_tile(local_targets.numel(), shard_width, weight.device)
+    tile = (chunk_size or default_tokens, vocab_chunk_size or default_columns)
     logprobs, entropy = _FusedLMHeadLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        local_targets,
-        owned,
-        tp_group,
-        chunk_size or default_chunk_size(shard_width),
-        compute_entropy,
+        hidden.reshape(-1, hidden.shape[-1]), weight, local_targets, owned, tp_group, tile, compute_entropy
     )
     return logprobs.view(targets.shape), None if entropy is None else entropy.view(targets.shape)

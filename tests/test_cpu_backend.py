@@ -99,10 +99,14 @@ def _check_runtime_patches() -> dict:
     from megacispo.parallel.layout import ParallelConfig, init_distributed
 
     init_distributed(ParallelConfig(), seed=0)
-    from megatron.core.optimizer import clip_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, param_and_grad_buffer
+    from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer import utils
     from megatron.core.transformer.moe import moe_utils
+
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
 
     out = {}
     # current_device: ~40 allocations `device=torch.cuda.current_device()`.
@@ -134,6 +138,24 @@ def _check_runtime_patches() -> dict:
     clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=out["grad_norm"])
     out["clipped_grad"] = param.grad.clone()
     out["num_zeros"] = clip_grads.count_zeros_fp32([param], grad_stats_parallel_group=None)
+    # param_and_grad_buffer.py:289/443 over a group of one: a buffer onto itself is skipped (the
+    # function returns None, where the real collective would also return None when synchronous),
+    # a distinct output still gets the data.
+    buffer, other = torch.arange(6.0), torch.zeros(6)
+    world = torch.distributed.group.WORLD
+    out["gather_onto_itself"] = param_and_grad_buffer.dist_all_gather_func(buffer, buffer, group=world)
+    param_and_grad_buffer.dist_all_gather_func(other, buffer, group=world)
+    out["gathered"] = other.clone()
+    param_and_grad_buffer.dist_reduce_scatter_func(other.zero_(), buffer, group=world)
+    out["reduce_scattered"] = other.clone()
+    # get_megatron_optimizer's AdamW gets torch's fused CPU kernel.
+    tiny = model_config("tiny")
+    megatron_config = transformer_config(tiny, ParallelConfig())
+    model = DistributedDataParallel(megatron_config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                    HybridModel(tiny, megatron_config))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True),
+                                       [model])
+    out["fused_adam"] = {group["fused"] for inner in optimizer.chained_optimizers for group in inner.optimizer.param_groups}
     return out
 
 
@@ -147,6 +169,9 @@ def test_runtime_patches_work_on_cpu():
     assert abs(out["grad_norm"] - 4.0) < 1e-6
     torch.testing.assert_close(out["clipped_grad"], torch.full((4,), 0.5), rtol=1e-5, atol=1e-6)
     assert out["num_zeros"] == 0
+    assert out["gather_onto_itself"] is None
+    assert torch.equal(out["gathered"], torch.arange(6.0)) and torch.equal(out["reduce_scattered"], torch.arange(6.0))
+    assert out["fused_adam"] == {True}
 
 
 def _apply_with_cuda_present() -> dict:

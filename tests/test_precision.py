@@ -203,12 +203,16 @@ def test_transformer_config_gets_bf16_and_recompute_fields():
     assert not recomputes_layer(_tiny_transformer_config(), 0)
 
 
+CLIP_GRAD = 1e-3
+
+
 def _bf16_engine_step() -> dict:
     """One optimizer step of the tiny model with bf16 weights through the Engine (DDP, optimizer)."""
     from megacispo.config import load_config
     from megacispo.engine import Engine
 
-    config = load_config(None, ["precision.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=false"])
+    config = load_config(None, ["precision.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=false",
+                                f"optimizer.clip_grad={CLIP_GRAD}"])
     engine = Engine(config, total_steps=1, peak_lr=1e-2)
     tokens = torch.randint(0, config.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(3))
     before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
@@ -220,6 +224,8 @@ def _bf16_engine_step() -> dict:
     outputs = engine.run_micro_batches([SimpleNamespace(tokens=tokens)], forward_step, forward_only=False)
     result = engine.step()
     return {
+        # The gradients the update used, after clipping (they stay until the next zero_grad).
+        "clipped_grad_norm": engine.optimizer.get_grad_norm(),
         "loss": outputs[0]["loss"].item(),
         "applied": result.applied,
         "grad_norm": result.grad_norm,
@@ -248,7 +254,8 @@ def test_bf16_weights_train_one_step(training_runs):
     result = training_runs["bf16"]
     assert result["dtypes"] == {torch.bfloat16}
     assert torch.isfinite(torch.tensor(result["loss"])) and abs(result["loss"] - torch.log(torch.tensor(512.0))) < 1.0
-    assert result["applied"] and 0 < result["grad_norm"] < float("inf")
+    assert result["applied"] and CLIP_GRAD < result["grad_norm"] < float("inf")
+    assert result["clipped_grad_norm"] == pytest.approx(CLIP_GRAD, rel=1e-4)
     # Every weight moved (the router's and the experts' too: lr 1e-2 is far above bf16's resolution).
     assert result["changed"] == result["num_params"]
 

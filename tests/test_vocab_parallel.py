@@ -1,4 +1,4 @@
-"""Vocab-parallel log-probs, entropy and the fused chunked LM head against fp64 torch.log_softmax.
+"""Vocab-parallel log-probs, entropy and the fused tiled LM head against fp64 torch.log_softmax.
 
 In one process (tp_group=None) and in one real 2-rank gloo run that covers TP=2 for logits and
 for the fused head, with and without sequence parallelism, through Megatron-Core's own mappings.
@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megacispo.parallel import vocab_parallel
 from megacispo.parallel.multiprocess import run_distributed
 from megacispo.parallel.vocab_parallel import (
-    LOGITS_CHUNK_BYTES,
-    default_chunk_size,
+    LOGITS_TILE_BYTES,
+    MIN_VOCAB_CHUNK,
+    default_tile,
     lm_head_input,
     lm_head_logprobs,
     vocab_parallel_entropy,
@@ -25,7 +27,8 @@ VOCAB = 1000
 HIDDEN = 32
 TOKENS = 37
 TP = 2
-CHUNK_SIZES = (1, 7, TOKENS, TOKENS + 5)
+# (tokens, vocabulary columns) per tile: single tokens and columns, tiles that divide nothing, whole rows.
+TILES = ((TOKENS, 1), (7, 333), (1, VOCAB), (TOKENS + 5, VOCAB + 1))
 # fp32 precision at these magnitudes: sums over 1000 vocabulary entries round at ~1e-6.
 FP32_TOL = dict(atol=2e-6, rtol=1e-6)
 # A gradient returned in bf16 is the fp32 one rounded: off by at most 2^-9 of its value.
@@ -110,17 +113,21 @@ def test_fp64_inputs_pass_gradcheck():
     weight = torch.randn(11, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     targets = torch.tensor([0, 10, 3, 3, 7])
     assert torch.autograd.gradcheck(lambda z: vocab_parallel_logprobs(z, targets), (logits,))
-    assert torch.autograd.gradcheck(lambda h, w: lm_head_logprobs(h, w, targets, chunk_size=2)[0], (hidden, weight))
+    head = lambda h, w: lm_head_logprobs(h, w, targets, chunk_size=2, vocab_chunk_size=3)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(head, (hidden, weight))
 
 
-@pytest.mark.parametrize("chunk_size", CHUNK_SIZES + (None,))
-def test_fused_head_matches_fp64_for_every_chunk_size(chunk_size):
+@pytest.mark.parametrize("keep_logits", [True, False], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("tile", TILES + ((None, None),))
+def test_fused_head_matches_fp64_for_every_tile(tile, keep_logits, monkeypatch):
+    if not keep_logits:
+        monkeypatch.setattr(vocab_parallel, "LOGITS_KEEP_BYTES", 0)
     inputs = _inputs()
     expected = _reference_grads(inputs, "hidden", "weight")
     hidden = inputs["hidden"].clone().requires_grad_(True)
     weight = inputs["weight"].clone().requires_grad_(True)
     logprobs, entropy = lm_head_logprobs(
-        hidden, weight, inputs["targets"], chunk_size=chunk_size, compute_entropy=True
+        hidden, weight, inputs["targets"], chunk_size=tile[0], vocab_chunk_size=tile[1], compute_entropy=True
     )
     (logprobs * inputs["grad_logprobs"]).sum().backward()
 
@@ -139,7 +146,7 @@ def test_fused_head_bf16_computes_in_fp32():
     expected = _reference_grads(inputs, "hidden", "weight")
     hidden = inputs["hidden"].clone().requires_grad_(True)
     weight = inputs["weight"].clone().requires_grad_(True)
-    logprobs, entropy = lm_head_logprobs(hidden, weight, inputs["targets"], chunk_size=7)
+    logprobs, entropy = lm_head_logprobs(hidden, weight, inputs["targets"], chunk_size=7, vocab_chunk_size=300)
     (logprobs * inputs["grad_logprobs"]).sum().backward()
 
     assert entropy is None
@@ -170,15 +177,20 @@ def test_empty_batch_gives_empty_results_and_zero_grads():
     assert vocab_parallel_logprobs(inputs["logits"][:0], inputs["targets"][:0]).shape == (0,)
 
 
-def test_vocab_shard_range_and_default_chunk():
+def test_vocab_shard_range_and_default_tile():
     assert [vocab_shard_range(VOCAB, rank, 4) for rank in range(4)] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
     with pytest.raises(ValueError, match="vocab_size = 1001 .* pad the vocabulary"):
         vocab_shard_range(1001, 0, 2)
     with pytest.raises(ValueError, match="tp_rank = 2"):
         vocab_shard_range(VOCAB, 2, 2)
-    chunk_bytes = default_chunk_size(100_032) * 100_032 * 4
-    assert chunk_bytes <= LOGITS_CHUNK_BYTES < chunk_bytes + 100_032 * 4
-    assert default_chunk_size(10**9) == 1
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # Few tokens: whole rows of the shard; many: narrower tiles, never under MIN_VOCAB_CHUNK columns.
+    assert default_tile(10, 50_000, cpu) == (LOGITS_TILE_BYTES["cpu"] // (4 * 50_000), 50_000)
+    tokens, columns = default_tile(100_000, 50_000, cuda)
+    assert columns == MIN_VOCAB_CHUNK and tokens * columns * 4 <= LOGITS_TILE_BYTES["cuda"]
+    tokens, columns = default_tile(1536, 16_384, cpu)
+    assert tokens * columns * 4 <= LOGITS_TILE_BYTES["cpu"] < (tokens + 1) * columns * 4
+    assert default_tile(1, 10**9, cpu) == (1, LOGITS_TILE_BYTES["cpu"] // 4)
 
 
 def test_bad_inputs_raise_value_error_naming_the_argument():
@@ -196,6 +208,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
         (lambda: lm_head_logprobs(hidden[:, :-1], weight, targets), r"hidden has shape \(37, 31\) but weight"),
         (lambda: lm_head_logprobs(hidden, weight[None], targets), "weight has shape"),
         (lambda: lm_head_logprobs(hidden, weight, targets, chunk_size=0), "chunk_size = 0"),
+        (lambda: lm_head_logprobs(hidden, weight, targets, vocab_chunk_size=-1), "vocab_chunk_size = -1"),
         (lambda: lm_head_input(hidden, None, sequence_parallel=True), "sequence_parallel"),
     ]
     for call, message in cases:
@@ -210,14 +223,24 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
 # ---------------------------------------------------------------------------------------------
 
 
-def _fused_head(hidden, weight, targets, grad_logprobs, group, chunk_size=None, sequence_parallel=None):
+def _fused_head(hidden, weight, targets, grad_logprobs, group, tile=(None, None), sequence_parallel=None):
     """Fused head + backward; ``sequence_parallel`` None: no input mapping (the raw partial grad)."""
     hidden = hidden.clone().requires_grad_(True)
     weight = weight.clone().requires_grad_(True)
     head_input = hidden if sequence_parallel is None else lm_head_input(hidden, group, sequence_parallel)
-    logprobs, entropy = lm_head_logprobs(head_input, weight, targets, group, chunk_size, compute_entropy=True)
+    logprobs, entropy = lm_head_logprobs(head_input, weight, targets, group, *tile, compute_entropy=True)
     (logprobs * grad_logprobs).sum().backward()
     return {"logprobs": logprobs, "entropy": entropy, "hidden": hidden.grad, "weight": weight.grad}
+
+
+def _fused_head_recomputed(hidden, weight, targets, grad_logprobs, group):
+    """The fused head with its logits recomputed in the backward instead of kept."""
+    keep_bytes = vocab_parallel.LOGITS_KEEP_BYTES
+    vocab_parallel.LOGITS_KEEP_BYTES = 0
+    try:
+        return _fused_head(hidden, weight, targets, grad_logprobs, group, (7, 100), False)
+    finally:
+        vocab_parallel.LOGITS_KEEP_BYTES = keep_bytes
 
 
 def _unfused_head(hidden, weight, targets, grad_logprobs, group):
@@ -264,10 +287,11 @@ def _tp_worker(inputs: dict) -> dict:
         "logits_fp32": _logits_shard(logits, targets, grad, group),
         "logits_explicit_start": _logits_shard(logits, targets, grad, group, vocab_start_index=start),
         "logits_bf16": _logits_shard(logits.bfloat16(), targets, grad, group),
-        "fused": {size: _fused_head(hidden, weight, targets, grad, group, size, False) for size in CHUNK_SIZES},
-        "fused_partial": _fused_head(hidden, weight, targets, grad, group, 7),
+        "fused": {tile: _fused_head(hidden, weight, targets, grad, group, tile, False) for tile in TILES},
+        "fused_partial": _fused_head(hidden, weight, targets, grad, group, (7, 100)),
+        "fused_recomputed": _fused_head_recomputed(hidden, weight, targets, grad, group),
         "fused_sp": _fused_head(
-            hidden[sp_slice], weight, targets[:sp_tokens], grad[:sp_tokens], group, 7, sequence_parallel=True
+            hidden[sp_slice], weight, targets[:sp_tokens], grad[:sp_tokens], group, (7, 100), sequence_parallel=True
         ),
         "unfused": _unfused_head(hidden, weight, targets, grad, group),
         "error_target": _expect_value_error(
@@ -310,7 +334,7 @@ def test_tp2_fused_head_matches_single_process_fp64(tp_results):
     inputs, results = tp_results
     expected = _reference_grads(inputs, "hidden", "weight")
     for rank, result in enumerate(results):
-        for chunk_size, fused in result["fused"].items():
+        for fused in (*result["fused"].values(), result["fused_recomputed"]):
             _close(fused["logprobs"], expected["logprobs"])
             _close(fused["entropy"], expected["entropy"])
             # copy_to_tensor_model_parallel_region's backward all-reduced the per-shard partials.
