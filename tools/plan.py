@@ -59,7 +59,8 @@ input, a in bf16 and 1 in fp8 (Transformer Engine saves the fp8 cast of a GEMM's
                     the entropy metric or the logits gradient) and the fp32 weight copy
                     4 V/TP H; fused (parallel.vocab_parallel.lm_head_logprobs), the hidden states
                     aH and their fp32 gradient 4H per token, the fp32 weight copy and weight
-                    gradient, and two 64 MiB logits chunks.
+                    gradient, two 64 MiB logits tiles, and the whole [T, V/TP] fp32 logits when
+                    they fit in LOGITS_KEEP_BYTES (kept for the backward instead of recomputed).
 
 Recompute:
     none        everything above.
@@ -95,7 +96,7 @@ from megacispo.models.config import (
 )
 from megacispo.models.lightning import CHUNK_TOKENS
 from megacispo.parallel.layout import ParallelConfig, validate_layout
-from megacispo.parallel.vocab_parallel import LOGITS_CHUNK_BYTES
+from megacispo.parallel.vocab_parallel import LOGITS_KEEP_BYTES, LOGITS_TILE_BYTES
 
 GIB = 2**30
 RECOMPUTE_MODES = RECOMPUTE_GRANULARITIES  # the run config's recompute.granularity names
@@ -336,11 +337,14 @@ def _stage_items(
 
 def _lm_head_bytes(dims: _Dims, fused: bool) -> float:
     """Peak bytes of the fp32 LM head and log-probs: the unfused head holds [T, V/TP] fp32 logits
-    (three at once, see the module docstring), the fused one a 64 MiB chunk at a time."""
+    (three at once, see the module docstring), the fused one a GPU tile at a time (and all of them,
+    kept for the backward, when they fit in LOGITS_KEEP_BYTES)."""
     hidden, tokens = dims.model.hidden_size, dims.tokens
     weight_copy = FP32 * dims.vocab_shard * hidden
     if fused:
-        return tokens * (ACTIVATION_BYTES + FP32) * hidden + 2 * weight_copy + 2 * LOGITS_CHUNK_BYTES
+        logits = FP32 * tokens * dims.vocab_shard
+        kept = logits if logits <= LOGITS_KEEP_BYTES else 0
+        return tokens * (ACTIVATION_BYTES + FP32) * hidden + 2 * weight_copy + 2 * LOGITS_TILE_BYTES["cuda"] + kept
     return tokens * (FP32 * hidden / dims.sp + 3 * FP32 * dims.vocab_shard) + weight_copy
 
 
@@ -530,7 +534,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     memory.add_argument("--distributed-optimizer", action="store_true",
                         help="shard optimizer states over the (expert-)data-parallel ranks")
     memory.add_argument("--fused-lm-head", action="store_true",
-                        help="chunked fp32 LM head (never holds [tokens, V/TP] logits)")
+                        help="tiled fp32 LM head (holds [tokens, V/TP] logits only when they are small)")
     memory.add_argument("--gpu-memory-gb", type=float, default=80.0, help="usable device memory, GiB")
     memory.add_argument("--overhead-gb", type=float, default=DEFAULT_OVERHEAD_GIB,
                         help="fixed overhead: CUDA context, NCCL buffers, fragmentation; GiB")
