@@ -16,7 +16,8 @@ export PYTHONWARNINGS="ignore"
 export OMP_NUM_THREADS=1
 
 echo "== task data and tokenizer"
-$py tools/make_task_data.py --out "$RUN_DIR/data" --task addition --digits 2 --num-train 4000 --num-test 200 --seed 0
+$py tools/make_task_data.py --out "$RUN_DIR/data" --task addition --digits 2 --num-train 4000 --num-test 200 --seed 0 \
+    --sft-restate 0.6
 $py tools/train_tokenizer.py --input "$RUN_DIR/data/corpus.txt" --vocab-size 512 --out "$RUN_DIR/tokenizer"
 
 echo "== SFT warm start (torchrun, $NPROC processes)"

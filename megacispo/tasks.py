@@ -1,11 +1,16 @@
 """Verifiable arithmetic tasks for the quick start: prompt "12+7=", answer "19".
 
 Difficulty knobs: ``digits`` (operands are drawn from 0 .. 10**digits - 1) and ``num_operands``.
-Two-digit addition is the quick start's default: an 8-layer, hidden-64 model fed a short SFT warm
-start gets some sums right and many carries wrong, which leaves RL room to improve.
+Two-digit addition is the quick start's default: an 8-layer, hidden-64 model learns it from a
+1000-step SFT warm start.
 
 Problems are drawn without replacement from the task's whole problem space by index, so the
 train and test sets are disjoint by construction and the draw is exact for any space size.
+
+The SFT pairs can come from a wordy teacher (``sft_restate``) who, in that fraction of answers,
+restates the question before the result ("12+7=" -> "12+7=19"). The sum is right either way;
+the exact-match verifier accepts only the bare number, so the warm-started model, which usually
+restates, is graded wrong until RL teaches it to answer with the number alone.
 """
 
 from __future__ import annotations
@@ -101,13 +106,22 @@ class TaskData:
 
 
 def generate_task_data(
-    task: ArithmeticTask, num_train: int, num_test: int, seed: int, num_sft: int | None = None
+    task: ArithmeticTask,
+    num_train: int,
+    num_test: int,
+    seed: int,
+    num_sft: int | None = None,
+    sft_restate: float = 0.0,
 ) -> TaskData:
     """Draw num_train + num_test distinct problems; the SFT pairs are the first ``num_sft`` of train.
 
-    Deterministic in (task, counts, seed). ``num_sft`` defaults to ``num_train``.
+    Each SFT answer restates the question with probability ``sft_restate`` (see the module
+    docstring); RL and test answers are always the bare number. Deterministic in (task, counts,
+    seed, sft_restate). ``num_sft`` defaults to ``num_train``.
     """
     num_sft = num_train if num_sft is None else num_sft
+    if not 0.0 <= sft_restate <= 1.0:
+        raise ValueError(f"sft_restate={sft_restate} must be a probability in [0, 1]")
     # Every file must hold a record: load_prompts rejects an empty one.
     if num_train < 1 or num_test < 1:
         raise ValueError(f"num_train={num_train} and num_test={num_test} must both be >= 1")
@@ -124,4 +138,10 @@ def generate_task_data(
     indices = rng.sample(range(task.num_problems), num_train + num_test)
     problems = [task.problem(index) for index in indices]
     train, test = problems[:num_train], problems[num_train:]
-    return TaskData(train=train, sft=train[:num_sft], test=test)
+    # Its own stream, so the teacher's coin flips leave the problem draw unchanged.
+    teacher = random.Random(f"megacispo.tasks.teacher:{seed}")
+    sft = [
+        PromptRecord(record.prompt, record.prompt + record.answer) if teacher.random() < sft_restate else record
+        for record in train[:num_sft]
+    ]
+    return TaskData(train=train, sft=sft, test=test)

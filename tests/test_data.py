@@ -258,6 +258,27 @@ def test_problem_indexing_covers_operators():
     assert evaluate([9, 3, 4], ["-", "+"]) == 10
 
 
+def test_wordy_teacher_restates_the_question_in_sft_answers_only():
+    task = ArithmeticTask("add_sub", digits=2)
+    exact = generate_task_data(task, 2000, 50, seed=1)
+    wordy = generate_task_data(task, 2000, 50, seed=1, sft_restate=0.6)
+    assert wordy.train == exact.train and wordy.test == exact.test, "RL and test answers stay bare numbers"
+    restated = 0
+    for sft, true in zip(wordy.sft, exact.sft):
+        assert sft.prompt == true.prompt and sft.answer in (true.answer, true.prompt + true.answer)
+        restated += sft.answer != true.answer
+    # A coin flip per pair: within 4 binomial standard deviations of 0.6 * 2000.
+    assert abs(restated - 1200) < 4 * (2000 * 0.6 * 0.4) ** 0.5
+    always = generate_task_data(task, 2000, 50, seed=1, sft_restate=1.0)
+    assert [record.answer for record in always.sft] == [r.prompt + r.answer for r in exact.sft]
+
+
+@pytest.mark.parametrize("probability", [1.5, -0.1])
+def test_wordy_teacher_rejects_a_bad_probability(probability):
+    with pytest.raises(ValueError, match=f"sft_restate={probability} must be a probability"):
+        generate_task_data(ArithmeticTask("addition"), 10, 5, seed=0, sft_restate=probability)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -286,6 +307,13 @@ def test_make_task_data_cli_writes_loadable_deterministic_files(tmp_path):
     assert len(train) == 40 and len(test) == 10 and load_prompts(tmp_path / "a" / "sft.jsonl") == train[:15]
     assert not {r.prompt for r in train} & {r.prompt for r in test}
     assert files["corpus.txt"].decode().splitlines() == [text for r in train for text in (r.prompt, r.answer)]
+
+
+def test_make_task_data_cli_writes_the_wordy_teachers_sft_pairs(tmp_path):
+    arguments = ["--out", str(tmp_path), "--num-train", "30", "--num-test", "5", "--seed", "0", "--sft-restate", "1"]
+    assert load_tool("make_task_data").main(arguments) == 0
+    train, sft = load_prompts(tmp_path / "train.jsonl"), load_prompts(tmp_path / "sft.jsonl")
+    assert [record.answer for record in sft] == [record.prompt + record.answer for record in train]
 
 
 def test_make_task_data_cli_reports_bad_counts(tmp_path, capsys):

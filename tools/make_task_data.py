@@ -4,7 +4,8 @@
 
 Writes, each file atomically:
     DIR/train.jsonl   RL prompts with answers, {"prompt": "12+7=", "answer": "19"} per line
-    DIR/sft.jsonl     supervised warm-start pairs (the first --num-sft train problems)
+    DIR/sft.jsonl     supervised warm-start pairs (the first --num-sft train problems; with
+                      --sft-restate P, a fraction P of the answers restate the question: "12+7=19")
     DIR/test.jsonl    held-out prompts, disjoint from train
     DIR/corpus.txt    text to train the tokenizer on (tools/train_tokenizer.py --input DIR/corpus.txt)
 The same seed gives the same files.
@@ -27,6 +28,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-train", type=int, required=True, help="RL training prompts")
     parser.add_argument("--num-test", type=int, required=True, help="held-out prompts, disjoint from train")
     parser.add_argument("--num-sft", type=int, default=None, help="SFT pairs, a prefix of train (default: all)")
+    parser.add_argument(
+        "--sft-restate", type=float, default=0.0,
+        help="fraction of SFT answers that restate the question first (RL and test answers stay bare numbers)",
+    )
     parser.add_argument("--seed", type=int, required=True, help="the same seed writes the same files")
     parser.add_argument("--digits", type=int, default=2, help=f"operands are in [0, 10**digits), 1..{MAX_DIGITS}")
     parser.add_argument("--operands", type=int, default=2, help=f"operands per problem, 2..{MAX_OPERANDS}")
@@ -51,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         task = ArithmeticTask(args.task, digits=args.digits, num_operands=args.operands)
-        data = generate_task_data(task, args.num_train, args.num_test, args.seed, num_sft=args.num_sft)
+        data = generate_task_data(
+            task, args.num_train, args.num_test, args.seed, num_sft=args.num_sft, sft_restate=args.sft_restate
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
