@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -224,6 +225,31 @@ def hf_prefill(hf_model, prompts: torch.Tensor) -> None:
         hf_model(input_ids=prompts, use_cache=True, logits_to_keep=1)
 
 
+def decode_matmul_floor(model, batch_size: int) -> Timing:
+    """One decode step's weight matmuls alone, nothing else: [batch_size, in] rows times every 2-D
+    weight the step reads (the output layer, each layer's projections and router, and as many of
+    its experts as a batch of this size routes to on average, rounded down: E (1 - (1 - k/E)^b)),
+    through the decode path's ``few_rows_linear``. No decode step can be faster than this."""
+    from megacispo.models.layers import few_rows_linear
+
+    config = model.config
+    experts = config.num_moe_experts
+    used = int(experts * (1 - (1 - config.moe_router_topk / experts) ** batch_size))
+    weights = []
+    for name, parameter in model.named_parameters():
+        expert = re.search(r"\.local_experts\.(\d+)\.", name)
+        if parameter.dim() == 2 and "word_embeddings" not in name and (expert is None or int(expert[1]) < used):
+            weights.append(parameter.detach())
+    rows = {width: torch.randn(batch_size, width) for width in {weight.shape[1] for weight in weights}}
+
+    def step() -> None:
+        with torch.no_grad():
+            for weight in weights:
+                few_rows_linear(rows[weight.shape[1]], weight)
+
+    return measure(step, 3, 50)
+
+
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
     """Index of the first differing token, or the length when equal."""
     differs = (a != b).nonzero()
@@ -307,6 +333,11 @@ def run_generation(engine, hf_model, args) -> None:
             rows.append([name, f"{1e3 * prefill[name].wall_s:.0f}", f"{1e3 * prefill[name].cpu_s:.0f}", f"{per_step:.1f}"])
         print_table(f"Where generation time goes, batch {batch_size} (wall clock; prefill: median of 3)",
                     ["side", "prefill ms", "prefill CPU ms", "ms per decode step (total - prefill)"], rows)
+        floor = decode_matmul_floor(model, batch_size)
+        # The decode-step time at which the whole call (our prefill included) would be the target's rate.
+        target_step = (timings["HF"].wall_s / GENERATION_TARGET - prefill["ours"].wall_s) / max(args.gen_tokens - 1, 1)
+        print(f"\nbatch {batch_size}: the weights' matmuls alone take {1e3 * floor.wall_s:.1f} ms a step (wall); "
+              f"{GENERATION_TARGET}x HF needs a decode step of {1e3 * target_step:.1f} ms with our prefill")
         same = [first_difference(ours, theirs) for ours, theirs in zip(generated["ours"], generated["HF"])]
         print(f"\ngreedy tokens identical for the first {min(same)} of {args.gen_tokens} in every row (same "
               f"weights; fp32 round-off may flip a near-tie of the random model)")

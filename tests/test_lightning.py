@@ -95,6 +95,20 @@ def test_gradients_match_autograd_through_recurrence(seq_len: int, with_initial_
         torch.testing.assert_close(got.grad, ref.grad, **EXACT, msg=f"gradient of {name}")
 
 
+def test_chunks_without_padding_are_moved_without_an_index() -> None:
+    # Front padding to whole blocks sits in the first chunk of each document; the others are dense.
+    chunks = lightning._BlockLayout.build((3 * BLOCK + 7, 2 * BLOCK), BLOCK, 2, torch.device("cpu")).chunks
+    assert [chunk.dense for chunk in chunks] == [False, True, True]
+    q, k, v = random_qkv(2, 4 * BLOCK)
+    blocks = lightning._gather_chunk(q, chunks[1], BLOCK)  # [b, h, G, B, d]
+    assert blocks.is_contiguous() and blocks.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    tokens = slice(chunks[1].token_start, chunks[1].token_end)
+    torch.testing.assert_close(blocks.flatten(2, 3), q[:, tokens].transpose(1, 2), **EXACT)
+    out = torch.zeros_like(q)
+    lightning._scatter_chunk(out, blocks, chunks[1])
+    torch.testing.assert_close(out[:, tokens], q[:, tokens], **EXACT)
+
+
 def test_strided_views_of_one_qkv_tensor() -> None:
     # The model splits one projection [b, n, h, 3d] into q, k, v views: no copies needed.
     q, k, v = random_qkv(1, 2 * BLOCK + 3)
