@@ -28,9 +28,9 @@ random prompts of one length, so neither side pads): ``megacispo.rollout.generat
 one ``decode_step`` per token: the lean single-process step, sampling bookkeeping included) vs
 ``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
 
-Times are the median over the timed steps, as wall clock and as this process's CPU time (the sum
-over its threads: less sensitive to other jobs on a shared machine, but it counts a thread that
-spins at a barrier as busy).
+Times are the median over the timed steps, the two sides taking turns step by step, as wall clock
+and as this process's CPU time (the sum over its threads: less sensitive to other jobs on a shared
+machine, but it counts a thread that spins at a barrier as busy).
 
     .venv/bin/python benchmarks/rl_vs_hf.py [--train-steps 5] [--gen-tokens 1000] [--gen-batch 1 8]
 """
@@ -65,15 +65,23 @@ class Timing:
 
 
 def measure(run: Callable[[], object], warmup: int, repeats: int) -> Timing:
-    for _ in range(warmup):
-        run()
-    walls, cpus = [], []
+    return measure_sides({"run": run}, warmup, repeats)["run"]
+
+
+def measure_sides(runs: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, Timing]:
+    """Median times of each run, the sides taking turns (one repeat of each, then the next), so
+    that a change in the machine's load or the process's memory state affects them alike."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    walls, cpus = {name: [] for name in runs}, {name: [] for name in runs}
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        run()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return Timing(statistics.median(walls), statistics.median(cpus))
+        for name, run in runs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            run()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {name: Timing(statistics.median(walls[name]), statistics.median(cpus[name])) for name in runs}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,29 +233,35 @@ def hf_prefill(hf_model, prompts: torch.Tensor) -> None:
         hf_model(input_ids=prompts, use_cache=True, logits_to_keep=1)
 
 
-def decode_matmul_floor(model, batch_size: int) -> Timing:
-    """One decode step's weight matmuls alone, nothing else: [batch_size, in] rows times every 2-D
-    weight the step reads (the output layer, each layer's projections and router, and as many of
-    its experts as a batch of this size routes to on average, rounded down: E (1 - (1 - k/E)^b)),
-    through the decode path's ``few_rows_linear``. No decode step can be faster than this."""
+def decode_weight_reads(model, batch_size: int) -> tuple[Timing, Timing]:
+    """What one decode step's weight reads cost alone: rows times every 2-D weight the step reads,
+    one ``few_rows_linear`` call per weight as the decode path makes them: the output layer and
+    each layer's projections and router on all ``batch_size`` rows, and as many of its experts as a
+    batch of this size routes to on average, rounded down (E (1 - (1 - k/E)^b)), each on its share
+    of the b * k rows; and the same number of bytes read as one stream (a sum over one buffer), the
+    machine's floor for them."""
     from megacispo.models.layers import few_rows_linear
 
     config = model.config
-    experts = config.num_moe_experts
-    used = int(experts * (1 - (1 - config.moe_router_topk / experts) ** batch_size))
-    weights = []
+    experts, topk = config.num_moe_experts, config.moe_router_topk
+    used = int(experts * (1 - (1 - topk / experts) ** batch_size))
+    expert_rows = max(1, round(batch_size * topk / used))
+    products = []  # (rows [m, in], weight [out, in])
     for name, parameter in model.named_parameters():
+        if parameter.dim() != 2 or "word_embeddings" in name:
+            continue
         expert = re.search(r"\.local_experts\.(\d+)\.", name)
-        if parameter.dim() == 2 and "word_embeddings" not in name and (expert is None or int(expert[1]) < used):
-            weights.append(parameter.detach())
-    rows = {width: torch.randn(batch_size, width) for width in {weight.shape[1] for weight in weights}}
+        if expert is None or int(expert[1]) < used:
+            rows = batch_size if expert is None else expert_rows
+            products.append((torch.randn(rows, parameter.shape[1]), parameter.detach()))
+    stream = torch.randn(sum(weight.numel() for _, weight in products))
 
-    def step() -> None:
+    def matmuls() -> None:
         with torch.no_grad():
-            for weight in weights:
-                few_rows_linear(rows[weight.shape[1]], weight)
+            for rows, weight in products:
+                few_rows_linear(rows, weight)
 
-    return measure(step, 3, 50)
+    return measure(matmuls, 3, 50), measure(stream.sum, 3, 50)
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -295,7 +309,7 @@ def run_training(engine, hf_model, args) -> None:
         "ours": our_update(engine, batch),
         "HF": hf_update(hf_model, batch),
     }
-    timings = {name: measure(update, args.warmup, args.train_steps) for name, update in sides.items()}
+    timings = measure_sides(sides, args.warmup, args.train_steps)
     print_table(
         f"Training: one RL update (forward + CISPO + backward + AdamW), batch {args.batch_size} x "
         f"{args.seq_len} tokens, median of {args.train_steps} steps after {args.warmup} warm-up",
@@ -314,8 +328,9 @@ def run_generation(engine, hf_model, args) -> None:
     for batch_size in args.gen_batch:
         # Distinct random prompts of one length: no padding on either side.
         prompts = torch.randint(1, vocab, (batch_size, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
-        prefill = {"ours": measure(lambda: our_prefill(model, prompts), 1, 3),
-                   "HF": measure(lambda: hf_prefill(hf_model, prompts), 1, 3)}
+        prefill = measure_sides(
+            {"ours": lambda: our_prefill(model, prompts), "HF": lambda: hf_prefill(hf_model, prompts)}, 1, 3
+        )
         timings, generated = {}, {}
         for name, fn, target in (("ours", our_generate, model), ("HF", hf_generate, hf_model)):
             wall, cpu = time.perf_counter(), time.process_time()
@@ -333,11 +348,12 @@ def run_generation(engine, hf_model, args) -> None:
             rows.append([name, f"{1e3 * prefill[name].wall_s:.0f}", f"{1e3 * prefill[name].cpu_s:.0f}", f"{per_step:.1f}"])
         print_table(f"Where generation time goes, batch {batch_size} (wall clock; prefill: median of 3)",
                     ["side", "prefill ms", "prefill CPU ms", "ms per decode step (total - prefill)"], rows)
-        floor = decode_matmul_floor(model, batch_size)
+        matmuls, stream = decode_weight_reads(model, batch_size)
         # The decode-step time at which the whole call (our prefill included) would be the target's rate.
         target_step = (timings["HF"].wall_s / GENERATION_TARGET - prefill["ours"].wall_s) / max(args.gen_tokens - 1, 1)
-        print(f"\nbatch {batch_size}: the weights' matmuls alone take {1e3 * floor.wall_s:.1f} ms a step (wall); "
-              f"{GENERATION_TARGET}x HF needs a decode step of {1e3 * target_step:.1f} ms with our prefill")
+        print(f"\nbatch {batch_size}: a step's weight matmuls alone take {1e3 * matmuls.wall_s:.1f} ms (wall), reading "
+              f"the same bytes as one stream {1e3 * stream.wall_s:.1f} ms; {GENERATION_TARGET}x HF needs a whole decode "
+              f"step of {1e3 * target_step:.1f} ms, with our prefill")
         same = [first_difference(ours, theirs) for ours, theirs in zip(generated["ours"], generated["HF"])]
         print(f"\ngreedy tokens identical for the first {min(same)} of {args.gen_tokens} in every row (same "
               f"weights; fp32 round-off may flip a near-tie of the random model)")
