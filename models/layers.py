@@ -35,8 +35,8 @@ def few_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [m, in] x weight [out, in] -> [m, out], F.linear without bias, fast for decoding's few rows.
 
     For 2 to FEW_ROWS rows on a CPU the product is taken as (weight rows^T)^T, which streams the
-    weight row by row: 1.8x faster than F.linear at 8 rows (the weights' memory traffic is a decode
-    step's floor), the same sums in another order. One row, more rows, GPUs and autograd (training
+    weight row by row: 1.8x faster than F.linear at 8 rows (a decode step's products are bound by
+    reading the weights), the same sums in another order. One row, more rows, GPUs and autograd (training
     keeps the sums of Megatron's linears) take F.linear.
     """
     if rows.is_cuda or torch.is_grad_enabled() or not 1 < rows.shape[0] <= FEW_ROWS:
