@@ -170,6 +170,8 @@ class SFTBatch:
     """int64: tokens 1 .. T-1, the next token at each position; pad_id after the end."""
     loss_mask: torch.Tensor
     """float32: 1 where the label is an answer token or the EOS, 0 on prompt labels and padding."""
+    padding_mask: torch.Tensor
+    """bool: True where input_ids holds padding."""
 
 
 def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> SFTBatch:
@@ -183,7 +185,11 @@ def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> SFTBatch:
         length = len(example.token_ids)
         tokens[row, :length] = torch.tensor(example.token_ids, dtype=torch.int64)
         target_mask[row, example.num_prompt_tokens : length] = 1.0
-    return SFTBatch(input_ids=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=target_mask[:, 1:])
+    lengths = torch.tensor([len(example.token_ids) for example in examples])
+    padding_mask = torch.arange(max_len - 1) >= lengths[:, None]
+    return SFTBatch(
+        input_ids=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=target_mask[:, 1:], padding_mask=padding_mask
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ class Samples:
     def select(self, indices: torch.Tensor) -> Samples:
         return Samples(*(getattr(self, name)[indices] for name in self.__dataclass_fields__))
 
+    def padding_mask(self, width: int) -> torch.Tensor:
+        """[n, width] bool: True after each sequence's prompt and response (tokens right-padded to width)."""
+        return torch.arange(width) >= (self.prompt_lengths + self.response_lengths)[:, None]
+
 
 def sample_tokens(
     logits: torch.Tensor, config: RolloutConfig, generator: torch.Generator

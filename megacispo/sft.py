@@ -52,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         batch = collate_sft([build_sft_example(tokenizer, r) for r in records], tokenizer.pad_id)
         batch = _pad_to(batch, engine.padded_length(batch.input_ids.shape[1]), tokenizer.pad_id)
         size = config.train.micro_batch_size
-        micro_batches = [_Micro(batch.input_ids[i:i + size], batch.labels[i:i + size], batch.loss_mask[i:i + size])
-                         for i in range(0, per_rank, size)]
+        micro_batches = [_Micro(batch.input_ids[i:i + size], batch.labels[i:i + size], batch.loss_mask[i:i + size],
+                                batch.padding_mask[i:i + size]) for i in range(0, per_rank, size)]
         counts = compute_global_counts([m.loss_mask for m in micro_batches],
                                        [torch.zeros_like(m.loss_mask) for m in micro_batches], group=engine.dp_group)
         scale = engine.loss_scale_for_schedule(len(micro_batches))
 
         def forward_step(micro: _Micro, model):
-            hidden = model(micro.tokens, return_hidden_states=True)
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask)
 
             def loss_func(output):
                 logprobs, _ = engine.token_logprobs(output, micro.labels, micro.loss_mask)
@@ -87,14 +87,14 @@ def _pad_to(batch, length: int, pad_id: int):
     extra = length - batch.input_ids.shape[1]
     pad = torch.nn.functional.pad
     return type(batch)(pad(batch.input_ids, (0, extra), value=pad_id), pad(batch.labels, (0, extra), value=pad_id),
-                       pad(batch.loss_mask, (0, extra), value=0.0))
+                       pad(batch.loss_mask, (0, extra), value=0.0), pad(batch.padding_mask, (0, extra), value=True))
 
 
 class _Micro:
-    """One micro-batch of next-token prediction: tokens / labels / loss_mask [b, T]."""
+    """One micro-batch of next-token prediction: tokens / labels / loss_mask / padding_mask [b, T]."""
 
-    def __init__(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
-        self.tokens, self.labels, self.loss_mask = tokens, labels, loss_mask
+    def __init__(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, padding_mask: torch.Tensor):
+        self.tokens, self.labels, self.loss_mask, self.padding_mask = tokens, labels, loss_mask, padding_mask
 
 
 if __name__ == "__main__":

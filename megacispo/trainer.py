@@ -42,6 +42,8 @@ class TrainBatch:
     """[n, S - 1] log-probs reported by the sampler."""
     old_logprobs: torch.Tensor | None = None
     """[n, S - 1] log-probs of pi_old as the training engine computes them."""
+    padding_mask: torch.Tensor | None = None
+    """[n, S] bool, True after each sequence's end; None: no padding."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -53,7 +55,8 @@ class TrainBatch:
 class ExpertLoadTracker:
     """Counts the tokens each expert of every MoE layer is routed during training passes.
 
-    A forward hook on each layer's router reads its routing map [tokens, experts]; ``collect`` sums
+    A forward hook on each layer's router reads its routing map [tokens, experts] (padding left
+    out, as the router's load-balancing loss leaves it out); ``collect`` sums
     the counts over all ranks (each rank holds its own tokens: data-parallel shards, and
     sequence-parallel shards under TP; its pipeline stage's layers only) and resets them.
     """
@@ -66,7 +69,10 @@ class ExpertLoadTracker:
     def _hook(self, layer_index: int):
         def count(module, inputs, outputs):
             if torch.is_grad_enabled():  # the update passes, not old-logprob or rollout passes
-                _, routing_map = outputs
+                _, routing_map = outputs  # [s * b, experts], tokens in [s, b] order
+                padding_mask = inputs[1] if len(inputs) > 1 else None  # [s, b], True at padding
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 self.counts[layer_index] += routing_map.sum(dim=0).double()
 
         return count
@@ -216,6 +222,7 @@ class Trainer:
             loss_mask=torch.cat([pad(s.loss_mask, width - 1, 0.0) for s, _, _ in chosen]),
             advantages=torch.cat([a for _, a, _ in chosen]),
             rollout_logprobs=torch.cat([pad(s.rollout_logprobs, width - 1, 0.0) for s, _, _ in chosen]),
+            padding_mask=torch.cat([s.padding_mask(width) for s, _, _ in chosen]),
         )
 
     def _rollout_metrics(self, stats: dict, chosen) -> dict[str, float]:
@@ -259,7 +266,7 @@ class Trainer:
         temperature = self.config.rollout.temperature
 
         def forward_step(micro: TrainBatch, model):
-            hidden = model(micro.tokens, return_hidden_states=True)
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask)
             return hidden, lambda output: (
                 output.sum() * 0,
                 {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask, temperature)[0]})
@@ -291,7 +298,7 @@ class Trainer:
         scale = self.engine.loss_scale_for_schedule(len(micro_batches))
 
         def forward_step(micro: TrainBatch, model):
-            hidden = model(micro.tokens, return_hidden_states=True)
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask)
 
             def loss_func(output):
                 logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,

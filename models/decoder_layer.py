@@ -111,16 +111,21 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         rotary_pos_sin: torch.Tensor | None = None,
         packed_seq_params=None,
         inference_context=None,
+        padding_mask: torch.Tensor | None = None,
         **unused,
     ) -> tuple[torch.Tensor, None]:
-        """Returns (hidden_states, context=None), as TransformerBlock expects of a layer."""
+        """Returns (hidden_states, context=None), as TransformerBlock expects of a layer.
+        padding_mask [b, s(/TP)] bool, True at padding: for the MoE router's statistics only."""
         if not (self.recompute and self.training and torch.is_grad_enabled() and inference_context is None):
             return self._layer(
-                hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin, packed_seq_params, inference_context
+                hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin, packed_seq_params, inference_context,
+                padding_mask,
             ), None
 
         def run(hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin):
-            return self._layer(hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin, packed_seq_params, None)
+            return self._layer(
+                hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin, packed_seq_params, None, padding_mask
+            )
 
         # Only the layer input (and the mask and RoPE tables) is kept; backward runs the layer again.
         # Under FP8, Transformer Engine's checkpoint keeps the scaling state of the two forwards apart.
@@ -139,6 +144,7 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         rotary_pos_sin: torch.Tensor | None,
         packed_seq_params,
         inference_context,
+        padding_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         normed = self.input_layernorm(hidden_states)
         mixed = self.self_attention(
@@ -151,7 +157,7 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         )
         hidden_states = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
         normed = self.pre_mlp_layernorm(hidden_states)
-        moe_out, _ = self.mlp(normed)
+        moe_out, _ = self.mlp(normed, padding_mask=padding_mask)
         return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, moe_out)
 
     def step(

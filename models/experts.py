@@ -134,8 +134,10 @@ class InProcessMoELayer(MoELayer):
     def forward(
         self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, None]:
-        """hidden_states [s, b, H] -> ([s, b, H], None), as MoELayer.forward."""
-        if not self._routes_in_process(intermediate_tensors, padding_mask):
+        """hidden_states [s, b, H] -> ([s, b, H], None), as MoELayer.forward. padding_mask [b, s], True
+        at padding, only keeps padding out of the router's load-balancing statistics, which exist
+        under autograd alone: the in-process route has no use for it."""
+        if not self._routes_in_process(intermediate_tensors):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         probs, routing_map = self.route(hidden_states)  # [T, E] fp32, [T, E] bool
@@ -160,10 +162,8 @@ class InProcessMoELayer(MoELayer):
         counts = torch.bincount(top_experts.flatten(), minlength=self.config.num_moe_experts)
         return self._combine(hidden, order // topk, counts, probs.flatten()[order])
 
-    def _routes_in_process(self, intermediate_tensors, padding_mask: torch.Tensor | None) -> bool:
-        return (
-            self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None and padding_mask is None
-        )
+    def _routes_in_process(self, intermediate_tensors) -> bool:
+        return self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None
 
     def _route_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [T, H] -> (probs [T, k], experts [T, k]), as TopKRouter (``_plain_topk_router``)

@@ -128,12 +128,16 @@ class HybridModel(LanguageModule):
         packed_seq_params: PackedSeqParams | None = None,
         return_hidden_states: bool = False,
         inference_context: InferenceCache | None = None,
+        padding_mask: torch.Tensor | None = None,
         **unused,
     ) -> torch.Tensor:
         """input_ids [b, s]; position_ids [b, s] (default 0..s-1, or per document when packed);
         attention_mask [b, s], True (1) for real tokens, None when all are (HF's meaning, not
         Megatron's [b, 1, s, s]); labels [b, s]; packed_seq_params: documents packed into batch 1
-        (cu_seqlens_q), each attending only to itself.
+        (cu_seqlens_q), each attending only to itself; padding_mask [b, s] bool, True at padding
+        (GPTModel's meaning): those tokens stay out of the MoE routers' load-balancing statistics
+        (aux loss, z-loss, expert-bias counts). Right padding needs no attention_mask (attention is
+        causal), but the aux loss pools over all tokens of the micro-batch.
 
         Returns on the last stage: logits [b, s, V/TP] (fp32 with fp32_lm_head), or with labels the
         cross-entropy [b, s], or with return_hidden_states the final-norm hidden states exactly as
@@ -148,6 +152,8 @@ class HybridModel(LanguageModule):
             position_ids = _default_positions(input_ids, packed_seq_params)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()
+        if padding_mask is not None:
+            padding_mask = self._local_padding_mask(padding_mask, input_ids)
         hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
         cos = sin = None
         if self._has_softmax_layers:
@@ -159,6 +165,7 @@ class HybridModel(LanguageModule):
             rotary_pos_sin=sin,
             packed_seq_params=packed_seq_params,
             inference_context=inference_context,
+            padding_mask=padding_mask,
         )
         if not self.post_process or return_hidden_states:
             return hidden
@@ -166,6 +173,20 @@ class HybridModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _local_padding_mask(self, padding_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """padding_mask [b, s] -> the part of it this rank's MoE layers see: [b, s / TP], this rank's
+        slice of the sequence, under sequence parallelism; [b, s] otherwise."""
+        if padding_mask.shape != input_ids.shape or padding_mask.dtype != torch.bool:
+            raise ValueError(
+                f"padding_mask has shape {tuple(padding_mask.shape)} and dtype {padding_mask.dtype}: pass a bool "
+                f"tensor of input_ids' shape {tuple(input_ids.shape)}, True at padding positions"
+            )
+        if not self.config.sequence_parallel:
+            return padding_mask
+        return tensor_parallel.scatter_to_sequence_parallel_region(
+            padding_mask.T.contiguous(), group=self.pg_collection.tp
+        ).T
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

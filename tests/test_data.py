@@ -135,6 +135,8 @@ def test_sft_example_and_collate_align_labels_with_the_answer():
         ]
         assert batch.loss_mask[row].tolist() == expected
     assert batch.labels[batch.loss_mask.bool()].tolist() == [13, 3, 14, 16, 3]
+    # Padding: the input positions after each sequence's last token (the short one has 7).
+    assert batch.padding_mask.tolist() == [[False] * 7 + [True] * 2, [False] * 9]
 
 
 def test_sft_example_longer_than_max_length_raises():

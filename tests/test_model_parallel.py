@@ -1,6 +1,9 @@
 """The tiny hybrid model under every parallel layout gives the single-process loss and gradients
 (same seed, data and weights: the reference saves a dist checkpoint that each layout loads), in
-real gloo processes, through Megatron's schedules, DDP and finalize_model_grads; fp32, 1e-5.
+real gloo processes, through Megatron's schedules, DDP and finalize_model_grads; fp32, 1e-5. The
+rows are right-padded to different lengths, and ``padding_mask`` keeps the padding out of the MoE
+load-balancing loss: each layout must split it as it splits the tokens (sequence parallelism gives
+each rank its slice of it).
 
 Tensor parallelism is tested with sequence parallelism: Megatron-Core's MoELayer refuses to train
 with TP > 1 without it (moe_layer.py:379 raises ValueError). TP = 2 without sequence parallelism
@@ -19,6 +22,7 @@ from parallel_case import assert_close_by_key, forward_backward, global_loss
 SEQ_LEN = 32  # two lightning blocks of the tiny model
 GLOBAL_BATCH = 8
 NUM_MICROBATCHES = 4  # of the single-process reference; fewer per rank under data parallelism
+PAD_ID = 0  # the real tokens are drawn from 1 .. V - 1
 
 
 def _train_step(layout: dict, num_microbatches: int, load_dir: str | None = None, save_dir: str | None = None):
@@ -47,9 +51,13 @@ def _train_step(layout: dict, num_microbatches: int, load_dir: str | None = None
     config.finalize_model_grads_func = finalize_model_grads
 
     generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, model_cfg.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+    tokens = torch.randint(1, model_cfg.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+    lengths = SEQ_LEN + 1 - 3 * torch.arange(GLOBAL_BATCH)  # [b]: 33 down to 12 real tokens
+    tokens[torch.arange(SEQ_LEN + 1) >= lengths[:, None]] = PAD_ID
     return forward_backward(
-        model, tokens, num_microbatches, lambda model, batch: model(batch[:, :-1], None, None, labels=batch[:, 1:]))
+        model, tokens, num_microbatches,
+        lambda model, batch: model(batch[:, :-1], None, None, labels=batch[:, 1:], padding_mask=batch[:, :-1] == PAD_ID),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,7 @@ def test_eos_ends_a_response_and_masks_line_up():
     assert samples.response_lengths.tolist() == [2, 2]
     assert response_token_ids(samples, 0) == [3, EOS] and response_token_ids(samples, 1) == [3, EOS]
     assert samples.tokens[1].tolist() == [1, 5, 3, EOS, PAD]
+    assert samples.padding_mask(6).tolist() == [[False] * 5 + [True], [False] * 4 + [True] * 2]
     # Position t predicts token t + 1: the response of row 1 starts at token 2, so positions 1 and 2.
     assert samples.loss_mask[1].tolist() == [0.0, 1.0, 1.0, 0.0]
     assert samples.rollout_logprobs[1, 0] == 0 and samples.rollout_logprobs[1, 1] > -1e-3
