@@ -186,10 +186,16 @@ def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> SFTBatch:
         tokens[row, :length] = torch.tensor(example.token_ids, dtype=torch.int64)
         target_mask[row, example.num_prompt_tokens : length] = 1.0
     lengths = torch.tensor([len(example.token_ids) for example in examples])
-    padding_mask = torch.arange(max_len - 1) >= lengths[:, None]
     return SFTBatch(
-        input_ids=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=target_mask[:, 1:], padding_mask=padding_mask
+        input_ids=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=target_mask[:, 1:],
+        padding_mask=right_padding_mask(lengths, max_len - 1),
     )
+
+
+def right_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, width] bool, True at the padding of sequences of ``lengths`` [n] right-padded to ``width``
+    (the model's ``padding_mask``)."""
+    return torch.arange(width) >= lengths[:, None]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megacispo.config import RolloutConfig
+from megacispo.data import right_padding_mask
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Samples:
 
     def padding_mask(self, width: int) -> torch.Tensor:
         """[n, width] bool: True after each sequence's prompt and response (tokens right-padded to width)."""
-        return torch.arange(width) >= (self.prompt_lengths + self.response_lengths)[:, None]
+        return right_padding_mask(self.prompt_lengths + self.response_lengths, width)
 
 
 def sample_tokens(
