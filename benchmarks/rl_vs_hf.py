@@ -25,7 +25,9 @@ prompts and training, one recurrent state update per token when decoding with a 
 
 Generation, greedy, at batch 1 (latency) and batch 8 (a group of samples of one RL prompt; distinct
 random prompts of one length, so neither side pads): ``megacispo.rollout.generate`` (prefill, then
-one ``decode_step`` per token: the lean single-process step, sampling bookkeeping included) vs
+one ``decode_step`` per token: the lean single-process step, sampling bookkeeping included), run
+eagerly and compiled (``rollout.compile_decode``: torch.compile of the step, compiled in a warm-up
+generation of a few tokens whose time is printed), vs
 ``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
 
 Times are the median over the timed steps, the two sides taking turns step by step, as wall clock
@@ -203,12 +205,12 @@ def hf_update(hf_model, batch: RLBatch) -> Callable[[], None]:
 # Generation
 
 
-def our_generate(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def our_generate(model, prompts: torch.Tensor, new_tokens: int, compile_decode: bool = False) -> torch.Tensor:
     """prompts [b, P] -> the greedy new tokens [b, new_tokens]."""
     from megacispo.config import RolloutConfig
     from megacispo.rollout import generate
 
-    config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0)
+    config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, compile_decode=compile_decode)
     # eos_id -1 never matches: every sample runs all new_tokens steps, as min_new_tokens forces in HF.
     samples = generate(model, prompts.tolist(), config, eos_id=-1, pad_id=0, generator=torch.Generator())
     return samples.tokens[:, prompts.shape[1] :]
@@ -286,8 +288,8 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def rate_rows(work: float, timings: dict[str, Timing], target_row: str, target: float) -> list[list[str]]:
-    """One row per side: work / time by both clocks, the ratio to HF, and the verdict of ``target_row``."""
+def rate_rows(work: float, timings: dict[str, Timing], target_rows: tuple[str, ...], target: float) -> list[list[str]]:
+    """One row per side: work / time by both clocks, the ratio to HF, and the verdict of ``target_rows``."""
     hf = timings["HF"]
     rows = []
     for name, timing in timings.items():
@@ -295,7 +297,7 @@ def rate_rows(work: float, timings: dict[str, Timing], target_row: str, target: 
         result = f"{target}x: {verdict(wall_ratio, target)} (wall), {verdict(cpu_ratio, target)} (CPU)"
         rows.append([
             name, f"{work / timing.wall_s:,.1f}", f"{work / timing.cpu_s:,.1f}", f"{wall_ratio:.2f}",
-            f"{cpu_ratio:.2f}", result if name == target_row else "",
+            f"{cpu_ratio:.2f}", result if name in target_rows else "",
         ])
     return rows
 
@@ -313,7 +315,7 @@ def run_training(engine, hf_model, args) -> None:
     print_table(
         f"Training: one RL update (forward + CISPO + backward + AdamW), batch {args.batch_size} x "
         f"{args.seq_len} tokens, median of {args.train_steps} steps after {args.warmup} warm-up",
-        RATE_HEADER, rate_rows(float(batch.tokens.numel()), timings, "ours", TRAIN_TARGET),
+        RATE_HEADER, rate_rows(float(batch.tokens.numel()), timings, ("ours",), TRAIN_TARGET),
     )
     print("\nstep time: " + "; ".join(f"{name} {t.wall_s:.2f} s wall / {t.cpu_s:.2f} s CPU" for name, t in timings.items()))
 
@@ -325,22 +327,34 @@ def run_generation(engine, hf_model, args) -> None:
     warm = torch.randint(1, vocab, (1, 64), generator=torch.Generator().manual_seed(3))
     our_generate(model, warm, 4)
     hf_generate(hf_model, warm, 4)
+    sides = {
+        "ours": lambda prompts: our_generate(model, prompts, args.gen_tokens),
+        "ours, compiled": lambda prompts: our_generate(model, prompts, args.gen_tokens, compile_decode=True),
+        "HF": lambda prompts: hf_generate(hf_model, prompts, args.gen_tokens),
+    }
     for batch_size in args.gen_batch:
         # Distinct random prompts of one length: no padding on either side.
         prompts = torch.randint(1, vocab, (batch_size, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
+        # The compiled step's graphs for this batch size: its first steps compile (and recompile
+        # once, when the sequence length turns dynamic).
+        compile_start = time.perf_counter()
+        our_generate(model, prompts, 8, compile_decode=True)
+        compile_s = time.perf_counter() - compile_start
         prefill = measure_sides(
             {"ours": lambda: our_prefill(model, prompts), "HF": lambda: hf_prefill(hf_model, prompts)}, 1, 3
         )
+        prefill["ours, compiled"] = prefill["ours"]
         timings, generated = {}, {}
-        for name, fn, target in (("ours", our_generate, model), ("HF", hf_generate, hf_model)):
+        for name, run in sides.items():
             wall, cpu = time.perf_counter(), time.process_time()
-            generated[name] = fn(target, prompts, args.gen_tokens)
+            generated[name] = run(prompts)
             timings[name] = Timing(time.perf_counter() - wall, time.process_time() - cpu)
             assert generated[name].shape == (batch_size, args.gen_tokens), (name, generated[name].shape)
         print_table(
             f"Generation: batch {batch_size}, greedy, {args.prompt_tokens}-token prompts + {args.gen_tokens} new "
             f"tokens each (new tokens / time of the whole call, prefill included)",
-            RATE_HEADER, rate_rows(float(batch_size * args.gen_tokens), timings, "ours", GENERATION_TARGET),
+            RATE_HEADER,
+            rate_rows(float(batch_size * args.gen_tokens), timings, ("ours", "ours, compiled"), GENERATION_TARGET),
         )
         rows = []
         for name, total in timings.items():
@@ -348,15 +362,17 @@ def run_generation(engine, hf_model, args) -> None:
             rows.append([name, f"{1e3 * prefill[name].wall_s:.0f}", f"{1e3 * prefill[name].cpu_s:.0f}", f"{per_step:.1f}"])
         print_table(f"Where generation time goes, batch {batch_size} (wall clock; prefill: median of 3)",
                     ["side", "prefill ms", "prefill CPU ms", "ms per decode step (total - prefill)"], rows)
+        print(f"\nbatch {batch_size}: compiling the decode step took {compile_s:.1f} s (an 8-token warm-up generation)")
         matmuls, stream = decode_weight_reads(model, batch_size)
         # The decode-step time at which the whole call (our prefill included) would be the target's rate.
         target_step = (timings["HF"].wall_s / GENERATION_TARGET - prefill["ours"].wall_s) / max(args.gen_tokens - 1, 1)
         print(f"\nbatch {batch_size}: a step's weight matmuls alone take {1e3 * matmuls.wall_s:.1f} ms (wall), reading "
               f"the same bytes as one stream {1e3 * stream.wall_s:.1f} ms; {GENERATION_TARGET}x HF needs a whole decode "
               f"step of {1e3 * target_step:.1f} ms, with our prefill")
-        same = [first_difference(ours, theirs) for ours, theirs in zip(generated["ours"], generated["HF"])]
-        print(f"\ngreedy tokens identical for the first {min(same)} of {args.gen_tokens} in every row (same "
-              f"weights; fp32 round-off may flip a near-tie of the random model)")
+        for name in ("ours", "ours, compiled"):
+            same = [first_difference(ours, theirs) for ours, theirs in zip(generated[name], generated["HF"])]
+            print(f"\n{name}: greedy tokens identical to HF's for the first {min(same)} of {args.gen_tokens} in every "
+                  f"row (same weights; fp32 round-off may flip a near-tie of the random model)")
 
 
 def parse_args() -> argparse.Namespace:

@@ -61,6 +61,8 @@ class RolloutConfig:
     """Drop groups whose rewards are all equal and sample more until the batch is full."""
     max_sampling_rounds: int = 4
     """Cap on rollout rounds spent filling one batch under dynamic sampling."""
+    compile_decode: bool = False
+    """Run each decode step through torch.compile (TP = PP = EP = 1, no Transformer Engine); the first steps compile."""
 
 
 @dataclass(kw_only=True)
@@ -339,7 +341,27 @@ def validate_config(config: Config) -> None:
             f"rl.overlong_cache_length = {rl.overlong_cache_length} exceeds rl.overlong_max_length = "
             f"{rl.overlong_max_length}: the ramp must fit below the limit"
         )
+    _check_compile_decode(config)
     check_precision_and_recompute(config.model, config.parallel, config.precision, config.recompute)
+
+
+def _check_compile_decode(config: Config) -> None:
+    """rollout.compile_decode traces the lean decode step, which needs every weight in this process."""
+    if not config.rollout.compile_decode:
+        return
+    parallel = config.parallel
+    blockers = [
+        ("parallel.tensor_model_parallel_size", parallel.tensor_model_parallel_size, 1),
+        ("parallel.pipeline_model_parallel_size", parallel.pipeline_model_parallel_size, 1),
+        ("parallel.expert_model_parallel_size", parallel.expert_model_parallel_size, 1),
+        ("precision.transformer_engine", config.precision.transformer_engine, False),
+    ]
+    for name, value, needed in blockers:
+        if value != needed:
+            raise ValueError(
+                f"rollout.compile_decode = true needs {name} = {needed}, got {value}: the compiled decode "
+                f"step runs every layer's weights in one process; set rollout.compile_decode=false"
+            )
 
 
 def to_dict(config: Config) -> dict:

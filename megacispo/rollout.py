@@ -142,7 +142,7 @@ def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group,
             break
         # Finished rows keep decoding a pad (cheaper than reshaping the cache); their output is ignored.
         step_tokens = torch.where(finished, torch.full_like(tokens, pad_id), tokens)
-        next_logits, cache = model.decode_step(step_tokens, cache)
+        next_logits, cache = model.decode_step(step_tokens, cache, compiled=config.compile_decode)
     return _assemble(prompts, prompt_lengths, responses, response_logprobs, response_lengths, truncated, pad_id)
 
 

@@ -31,6 +31,9 @@ permute / sort / unpermute bookkeeping cost a CPU decode step about as much as t
 ``step`` (HybridModel's lean decode step, one token per sequence) also does the router's math
 itself, as TopKRouter computes it for this model's configuration, without the router module's
 autograd function and [tokens, experts] routing map; one sequence runs just its top-k experts.
+The experts of a step are computed by ``decode_experts`` from the weights alone; under torch.compile
+(``decode_step(compiled=True)``) it is a custom op, opaque to the graph, since which experts run
+depends on the router's values.
 """
 
 from __future__ import annotations
@@ -59,6 +62,89 @@ def supports_fused_forward(config: TransformerConfig) -> bool:
     )
 
 
+def expert_mlp(tokens: torch.Tensor, probs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> torch.Tensor:
+    """One expert on its tokens [m, H] with routing weights [m] -> [m, H], as Megatron's MLP computes
+    it (the weight is applied after the SwiGLU, in fp32 when probs are, then cast back)."""
+    gate, up = few_rows_linear(tokens, fc1_weight).chunk(2, dim=-1)
+    intermediate = F.silu(gate) * up
+    intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
+    return few_rows_linear(intermediate, fc2_weight)
+
+
+def run_experts(
+    rows: torch.Tensor,
+    counts: list[int],
+    probs: torch.Tensor,
+    fc1_weights: list[torch.Tensor],
+    fc2_weights: list[torch.Tensor],
+    *,
+    run_idle: bool,
+) -> torch.Tensor:
+    """rows [n, H] sorted by expert, counts[e] of them for expert e, routing weights probs [n] ->
+    each row's expert output [n, H]. ``run_idle`` also runs the experts without rows (an empty
+    matmul), so that every expert weight gets a gradient under autograd."""
+    # One split, whose backward is one cat, rather than a slice per expert, whose backward
+    # would write a zero tensor of all n rows for each expert and add them up.
+    outputs = [
+        expert_mlp(expert_rows, expert_probs, fc1_weight, fc2_weight)
+        for expert_rows, expert_probs, fc1_weight, fc2_weight, count in zip(
+            rows.split(counts), probs.split(counts), fc1_weights, fc2_weights, counts
+        )
+        if count or run_idle
+    ]
+    if not outputs:
+        return rows.new_empty(0, rows.shape[1])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _sum_per_token(tokens: torch.Tensor, token_ids: torch.Tensor, expert_outputs: torch.Tensor) -> torch.Tensor:
+    """Megatron's unpermute in one process: expert_outputs [n, H] of rows token_ids [n] summed back
+    per token with index_add_, in row order, into [T, H] like tokens."""
+    return torch.zeros_like(tokens).index_add_(0, token_ids, expert_outputs.to(tokens.dtype))
+
+
+def decode_experts(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    top_experts: torch.Tensor,
+    fc1_weights: list[torch.Tensor],
+    fc2_weights: list[torch.Tensor],
+) -> torch.Tensor:
+    """The routed experts of a decode step: tokens [b, H], each with its k experts top_experts [b, k]
+    and routing weights probs [b, k] -> [b, H], the weighted expert outputs summed per token as
+    MoELayer does (expert-major rows in token order, then index_add_). One token runs just its k
+    experts and adds them in ascending expert order: the same float sums."""
+    if tokens.shape[0] == 1:
+        experts = top_experts[0].tolist()
+        output = None
+        for slot in sorted(range(len(experts)), key=experts.__getitem__):
+            expert = experts[slot]
+            expert_output = expert_mlp(tokens, probs[0, slot : slot + 1], fc1_weights[expert], fc2_weights[expert])
+            expert_output = expert_output.to(tokens.dtype)
+            output = expert_output if output is None else output + expert_output
+        return output
+    topk = top_experts.shape[1]
+    # Megatron's permutation: expert-major, token order within an expert (a stable sort of the
+    # token-major (token, slot) pairs by expert).
+    order = torch.argsort(top_experts.flatten(), stable=True)  # [b * k]
+    counts = torch.bincount(top_experts.flatten(), minlength=len(fc1_weights)).tolist()
+    token_ids = order // topk
+    expert_outputs = run_experts(
+        tokens.index_select(0, token_ids), counts, probs.flatten()[order], fc1_weights, fc2_weights, run_idle=False
+    )
+    return _sum_per_token(tokens, token_ids, expert_outputs)
+
+
+# torch.compile (HybridModel.decode_step(compiled=True)) traces a whole decode step as one graph;
+# which experts run depends on the router's values, so the experts are one opaque op in it.
+_decode_experts_op = torch.library.custom_op("megacispo::decode_experts", decode_experts, mutates_args=())
+
+
+@_decode_experts_op.register_fake
+def _(tokens, probs, top_experts, fc1_weights, fc2_weights) -> torch.Tensor:
+    return torch.empty_like(tokens)
+
+
 class SkipEmptySequentialMLP(SequentialMLP):
     """SequentialMLP (same parameters and checkpoint keys) whose forward calls no Megatron linear
     and, without autograd, skips the experts that got no tokens."""
@@ -70,28 +156,16 @@ class SkipEmptySequentialMLP(SequentialMLP):
         (sums to n); permuted_probs [n] the routing weight of each row. Returns ([n, H], None)."""
         if not supports_fused_forward(self.config):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        counts = tokens_per_expert.tolist()
-        run_idle = torch.is_grad_enabled()
-        # One split, whose backward is one cat, rather than a slice per expert, whose backward
-        # would write a zero tensor of all n rows for each expert and add them up.
-        rows, probs = permuted_local_hidden_states.split(counts), permuted_probs.split(counts)
-        outputs = [
-            self._expert_mlp(expert, expert_rows, expert_probs)
-            for expert, expert_rows, expert_probs, count in zip(self.local_experts, rows, probs, counts)
-            if count or run_idle
-        ]
-        if not outputs:
-            return permuted_local_hidden_states.new_empty(0, self.config.hidden_size), None
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)), None
+        fc1_weights, fc2_weights = self.expert_weights()
+        return run_experts(
+            permuted_local_hidden_states, tokens_per_expert.tolist(), permuted_probs, fc1_weights, fc2_weights,
+            run_idle=torch.is_grad_enabled(),
+        ), None
 
-    @staticmethod
-    def _expert_mlp(expert: torch.nn.Module, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """One expert on its tokens [m, H] with routing weights [m] -> [m, H], as Megatron's MLP
-        computes it (the weight is applied after the SwiGLU, in fp32 when probs are, then cast back)."""
-        gate, up = few_rows_linear(tokens, expert.linear_fc1.weight).chunk(2, dim=-1)
-        intermediate = F.silu(gate) * up
-        intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
-        return few_rows_linear(intermediate, expert.linear_fc2.weight)
+    def expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(linear_fc1 weights, linear_fc2 weights) of the local experts, in expert order."""
+        experts = self.local_experts
+        return [expert.linear_fc1.weight for expert in experts], [expert.linear_fc2.weight for expert in experts]
 
 
 class InProcessMoELayer(MoELayer):
@@ -124,12 +198,13 @@ class InProcessMoELayer(MoELayer):
             and self.router.bias is None
             and self.router.router_replay is None
         )
-        self._steps_directly = (
+        self.steps_in_process = (
             self._all_local
             and self._plain_topk_router
             and isinstance(self.experts, SkipEmptySequentialMLP)
             and supports_fused_forward(config)
         )
+        """Whether ``step`` routes and runs the experts itself, in this process (else it calls forward)."""
 
     def forward(
         self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: torch.Tensor | None = None
@@ -149,18 +224,12 @@ class InProcessMoELayer(MoELayer):
         """One token per sequence (decoding): hidden [b, H] -> [b, H], what forward computes, with the
         router's math done here (no router module, autograd function or [b, E] routing map). Runs
         forward where it would not route in this process (EP or TP > 1, under autograd, ...)."""
-        if torch.is_grad_enabled() or not self._steps_directly:
+        if torch.is_grad_enabled() or not self.steps_in_process:
             output, _ = self.forward(hidden[None])
             return output[0]
         probs, top_experts = self._route_tokens(hidden)  # [b, k] each
-        if hidden.shape[0] == 1:
-            return self._step_one_token(hidden, probs[0], top_experts[0].tolist())
-        topk = top_experts.shape[1]
-        # Megatron's permutation: expert-major, token order within an expert (a stable sort of the
-        # token-major (token, slot) pairs by expert).
-        order = torch.argsort(top_experts.flatten(), stable=True)  # [b * k]
-        counts = torch.bincount(top_experts.flatten(), minlength=self.config.num_moe_experts)
-        return self._combine(hidden, order // topk, counts, probs.flatten()[order])
+        experts = _decode_experts_op if torch.compiler.is_compiling() else decode_experts
+        return experts(hidden, probs, top_experts, *self.experts.expert_weights())
 
     def _routes_in_process(self, intermediate_tensors) -> bool:
         return self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None
@@ -178,16 +247,6 @@ class InProcessMoELayer(MoELayer):
             probs = probs * config.moe_router_topk_scaling_factor
         return probs, top_experts
 
-    def _step_one_token(self, token: torch.Tensor, probs: torch.Tensor, experts: list[int]) -> torch.Tensor:
-        """token [1, H]; probs [k] of its experts ``experts``. Adds the experts' outputs in ascending
-        expert order, as _combine's index_add_ does (the same float sums)."""
-        output = None
-        for slot in sorted(range(len(experts)), key=experts.__getitem__):
-            expert = self.experts.local_experts[experts[slot]]
-            expert_output = SkipEmptySequentialMLP._expert_mlp(expert, token, probs[slot : slot + 1]).to(token.dtype)
-            output = expert_output if output is None else output + expert_output
-        return output
-
     def _combine(
         self, tokens: torch.Tensor, token_ids: torch.Tensor, tokens_per_expert: torch.Tensor, row_probs: torch.Tensor
     ) -> torch.Tensor:
@@ -196,4 +255,4 @@ class InProcessMoELayer(MoELayer):
         row_probs [n]; tokens_per_expert [E]. The experts' outputs are summed back per token with
         index_add_ in that same order. Returns [T, H]."""
         expert_outputs, _ = self.experts(tokens.index_select(0, token_ids), tokens_per_expert, row_probs)  # [n, H]
-        return torch.zeros_like(tokens).index_add_(0, token_ids, expert_outputs.to(tokens.dtype))
+        return _sum_per_token(tokens, token_ids, expert_outputs)

@@ -65,8 +65,9 @@ def scalar_operand(value: float, like: torch.Tensor) -> torch.Tensor | float:
     0-dim tensor of like's dtype: the same result as the Python number, without the 0-dim tensor
     that torch creates and casts for a number on every call (a few microseconds, many times per
     decode step). Other dtypes get the number: a bf16 tensor times a number is computed with the
-    number in fp32, which a 0-dim operand would not reproduce."""
-    if like.dtype in _FP32_OR_WIDER:
+    number in fp32, which a 0-dim operand would not reproduce. Under torch.compile the number:
+    the graph holds it as a constant, with no per-call cost to save."""
+    if like.dtype in _FP32_OR_WIDER and not torch.compiler.is_compiling():
         return _constant(value, like.dtype, like.device)
     return value
 
@@ -233,6 +234,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rotated.to(x.dtype), passed), dim=-1)
 
 
+def _with_capacity(buffer: torch.Tensor, dim: int, used: int, needed: int) -> torch.Tensor:
+    """``buffer`` if it has ``needed`` positions along ``dim``, else a new buffer with its first
+    ``used`` positions copied and room for max(needed, twice as many): doubling keeps a sequence of
+    appends amortized O(1) instead of a copy per token."""
+    if buffer.shape[dim] >= needed:
+        return buffer
+    shape = list(buffer.shape)
+    shape[dim] = max(needed, 2 * buffer.shape[dim])
+    grown = buffer.new_empty(shape)
+    grown.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
+    return grown
+
+
 class InferenceCache:
     """Decoding state of a batch of left-padded sequences, filled by ``HybridModel.prefill`` and
     advanced by ``HybridModel.decode_step`` (in place). Tensors hold this rank's heads only.
@@ -274,28 +288,42 @@ class InferenceCache:
 
     def append_token(self) -> None:
         """Add one real token per sequence (a decode step) to the valid mask."""
-        if self._length == self._valid_buffer.shape[1]:
-            grown = self._valid_buffer.new_empty(self.batch_size, max(1, 2 * self._length))
-            grown[:, : self._length] = self._valid_buffer
-            self._valid_buffer = grown
+        self._valid_buffer = _with_capacity(self._valid_buffer, 1, self._length, self._length + 1)
         self._valid_buffer[:, self._length] = True
         self._length += 1
+
+    def reserve(self, positions: int) -> None:
+        """Make room in every buffer for ``positions`` positions beyond the current ones now, so
+        that appending them does not reallocate. A compiled decode step reserves one more than it
+        appends: its graph then never grows a buffer, nor sees one filled to capacity (whose
+        prefix view would be contiguous, unlike the others: a guard, and a recompile)."""
+        needed = self._length + positions
+        self._valid_buffer = _with_capacity(self._valid_buffer, 1, self._length, needed)
+        for store in (self.keys, self.values):
+            for layer_idx, buffer in store.items():
+                store[layer_idx] = _with_capacity(buffer, 2, self._length, needed)
+
+    def mark_dynamic_shapes(self, *batch_tensors: torch.Tensor) -> None:
+        """For torch.compile: the batch size and the number of positions change between decode steps
+        and rollouts; marked dynamic they share one compiled graph (batch 1 keeps its own) instead of
+        recompiling once for each new size. ``batch_tensors``: the step's other inputs [b, ...]."""
+        for tensor in (*batch_tensors, self.next_positions, *self.lightning_states.values()):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        position_dims = [(self._valid_buffer, 1), *((kv, 2) for kv in (*self.keys.values(), *self.values.values()))]
+        for tensor, position_dim in position_dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, position_dim)
 
     def extend_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a softmax layer's keys and values of the s newest positions ([b, kv heads, s, d],
         valid_mask already covers them); return all T so far, [b, kv heads, T, d] views."""
         total = self.length
         start = total - keys.shape[2]
-        if layer_idx not in self.keys or self.keys[layer_idx].shape[2] < total:
-            capacity = total if layer_idx not in self.keys else max(total, 2 * self.keys[layer_idx].shape[2])
-            for store in (self.keys, self.values):
-                old = store.get(layer_idx)
-                grown = keys.new_empty(keys.shape[0], keys.shape[1], capacity, keys.shape[3])
-                if old is not None:
-                    grown[:, :, :start] = old[:, :, :start]
-                store[layer_idx] = grown
-        self.keys[layer_idx][:, :, start:total] = keys
-        self.values[layer_idx][:, :, start:total] = values
+        for store, new in ((self.keys, keys), (self.values, values)):
+            if layer_idx not in store:  # prefill: the prompt's positions exactly
+                store[layer_idx] = new.new_empty(new.shape[0], new.shape[1], total, new.shape[3])
+            store[layer_idx] = _with_capacity(store[layer_idx], 2, start, total)
+            store[layer_idx][:, :, start:total] = new
         return self.keys[layer_idx][:, :, :total], self.values[layer_idx][:, :, :total]
 
     def select(self, indices: torch.Tensor) -> InferenceCache:

@@ -110,6 +110,7 @@ class HybridModel(LanguageModule):
             and not config.sequence_parallel
             and not config.fp32_residual_connection
         )
+        self._compiled_lean = None
 
     def set_input_tensor(self, input_tensor) -> None:
         """The previous pipeline stage's output (called by Megatron's schedules)."""
@@ -238,18 +239,25 @@ class HybridModel(LanguageModule):
         return (logits if return_all_logits else logits[:, -1]), cache
 
     @torch.no_grad()
-    def decode_step(self, token_ids: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, InferenceCache]:
+    def decode_step(
+        self, token_ids: torch.Tensor, cache: InferenceCache, *, compiled: bool = False
+    ) -> tuple[torch.Tensor, InferenceCache]:
         """Append one token per sequence (token_ids [b] or [b, 1]); returns (logits [b, V] fp32, cache),
-        the cache advanced in place."""
+        the cache advanced in place. ``compiled`` runs the lean step through torch.compile (where
+        ``compiled_decode_supported``): the first steps of a batch size compile its graph."""
         token_ids = token_ids.reshape(cache.batch_size, 1)
         position_ids = cache.next_positions[:, None]
+        if compiled:
+            cache.reserve(2)  # this token and one more (InferenceCache.reserve)
         cache.append_token()
-        logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True)
+        if compiled:
+            cache.mark_dynamic_shapes(token_ids, position_ids)
+        logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True, compiled=compiled)
         cache.next_positions = cache.next_positions + 1
         return logits[:, -1], cache
 
     def _decode_forward(
-        self, input_ids, position_ids, attention_mask, cache: InferenceCache, *, last_only: bool
+        self, input_ids, position_ids, attention_mask, cache: InferenceCache, *, last_only: bool, compiled: bool = False
     ) -> torch.Tensor:
         """Full-vocabulary fp32 logits [b, s, V], or [b, 1, V] of the last position with last_only,
         on every rank (every pipeline stage too: each draws the same next token).
@@ -263,7 +271,8 @@ class HybridModel(LanguageModule):
         its output on; the last stage's logits are then broadcast to all stages.
 
         A one-token step takes the lean path where it applies (``_lean_step_applies``): the same
-        modules and weights, called through their ``step`` methods.
+        modules and weights, called through their ``step`` methods; with ``compiled``, through
+        torch.compile of that path.
         """
         pp_group = self.pg_collection.pp
         pp_rank = torch.distributed.get_rank(pp_group)
@@ -273,7 +282,8 @@ class HybridModel(LanguageModule):
             received = torch.empty(length, batch, self.config.hidden_size, dtype=next(self.decoder.parameters()).dtype)
             torch.distributed.recv(received, src=torch.distributed.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
         if length == 1 and self._lean_step_applies():
-            hidden, logits = self._lean_stage(input_ids[:, 0], position_ids, cache, received)
+            lean_stage = self._compiled_lean_stage() if compiled else self._lean_stage
+            hidden, logits = lean_stage(input_ids[:, 0], position_ids, cache, received)
         else:
             hidden, logits = self._megatron_stage(input_ids, position_ids, attention_mask, cache, received, last_only)
         if not self.post_process:
@@ -323,6 +333,31 @@ class HybridModel(LanguageModule):
             return hidden[None], None
         hidden = self.decoder.final_layernorm(hidden)
         return hidden[None], at_least_fp32(self._logits(hidden, plain=True))[:, None]
+
+    @property
+    def compiled_decode_supported(self) -> bool:
+        """Whether ``decode_step(compiled=True)`` can trace the lean step as one graph: the lean path
+        applies to the layout, one stage holds every layer, and every MoE layer routes its tokens in
+        this process (no expert parallelism's all-to-all inside the step)."""
+        return (
+            self._lean_step_supported
+            and self.pg_collection.pp.size() == 1
+            and all(getattr(layer.mlp, "steps_in_process", False) for layer in self.decoder.layers)
+        )
+
+    def _compiled_lean_stage(self):
+        """``_lean_stage`` through torch.compile, built on the first compiled step. Batch 1 and larger
+        batches get a graph each (the batch size and the cache's lengths are dynamic in it); the
+        sequence length, a Python number, turns dynamic after one recompile."""
+        if not self.compiled_decode_supported:
+            raise ValueError(
+                "decode_step(compiled=True) (rollout.compile_decode) needs the lean decode step in one "
+                "process: tensor, pipeline and expert parallel size 1, local layers (no Transformer Engine or FP8); "
+                "set rollout.compile_decode=false for this layout"
+            )
+        if self._compiled_lean is None:
+            self._compiled_lean = torch.compile(self._lean_stage)
+        return self._compiled_lean
 
     def _lean_step_applies(self) -> bool:
         """Whether a one-token decode step can skip Megatron's TransformerBlock, parallel linears and

@@ -68,3 +68,19 @@ def test_override_syntax_and_missing_file():
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_configs_load(path):
     assert isinstance(load_config(str(path)), Config)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("parallel.expert_model_parallel_size=2", r"needs parallel.expert_model_parallel_size = 1, got 2"),
+        ("parallel.tensor_model_parallel_size=2", r"needs parallel.tensor_model_parallel_size = 1, got 2"),
+        ("parallel.pipeline_model_parallel_size=2", r"needs parallel.pipeline_model_parallel_size = 1, got 2"),
+        ("precision.use_transformer_engine=true", r"needs precision.transformer_engine = False, got True"),
+    ],
+)
+def test_compile_decode_refuses_a_layout_it_cannot_trace(layout, message):
+    load_config(None, [layout])  # the layout alone is valid
+    with pytest.raises(ValueError, match=rf"rollout.compile_decode = true {message}.*rollout.compile_decode=false"):
+        load_config(None, ["rollout.compile_decode=true", layout])
+    assert load_config(None, ["rollout.compile_decode=true"]).rollout.compile_decode

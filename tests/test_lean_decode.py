@@ -8,6 +8,10 @@ through megacispo.rollout.generate give the same tokens and log-probs. The lean 
 taken: TransformerBlock.forward is not called during its decode steps. Runs in a gloo world of one;
 tests/test_rollout_layouts.py covers the multi-process layouts (TP with sequence parallelism: the
 Megatron path; EP = 2: the MoE's dispatcher; PP = 2: the lean path stage by stage).
+
+The compiled step (``decode_step(compiled=True)``, torch.compile of the lean path) is checked the
+same way in fp32 (the batch size changes midway and the softmax layer's cache grows: recompiles),
+and runs as compiled graphs: no decoder layer's ``step`` runs eagerly during its decode steps.
 """
 
 from __future__ import annotations
@@ -65,46 +69,67 @@ class _CallCounter:
         return self._forward(*args, **kwargs)
 
 
-def _teacher_forced(model, prompts: list[torch.Tensor], steps: torch.Tensor, keep_after: int | None) -> dict:
-    """Prefill, then the tokens ``steps`` [b, NUM_STEPS] one step at a time, on both paths.
-    Returns the largest logit difference and the logit scale, and how often each path ran
-    TransformerBlock.forward during its decode steps."""
-    counter = _CallCounter(model.decoder)
+# decode_step's path: lean_decode and compiled.
+PATHS = {"lean": (True, False), "megatron": (False, False), "compiled": (True, True)}
+
+
+def _teacher_forced(model, prompts: list[torch.Tensor], steps: torch.Tensor, keep_after: int | None, paths) -> dict:
+    """Prefill, then the tokens ``steps`` [b, NUM_STEPS] one step at a time, on each path.
+    Returns each path's largest logit difference to the Megatron path and the logit scale, and how
+    often each path ran TransformerBlock.forward and (eagerly) a decoder layer's ``step``."""
+    from megacispo.models.decoder_layer import HybridDecoderLayer
+
+    block_counter = _CallCounter(model.decoder)
+    step_calls = {"count": 0}
+    eager_step = HybridDecoderLayer.step
+
+    def counted_step(*args, **kwargs):
+        # Dynamo replays a traced function's side effects after its graph: count eager runs only.
+        if not torch.compiler.is_compiling():
+            step_calls["count"] += 1
+        return eager_step(*args, **kwargs)
+
     input_ids, mask = _left_pad(prompts)
-    caches = {}
-    for lean in (True, False):
-        _, caches[lean] = model.prefill(input_ids, mask)
+    caches = {path: model.prefill(input_ids, mask)[1] for path in paths}
     rows = torch.arange(len(prompts))
-    error = scale = 0.0
-    block_calls = {True: 0, False: 0}
-    for step in range(NUM_STEPS):
-        if step == keep_after:
-            rows = torch.tensor([2, 0])
-            caches = {lean: cache.select(rows) for lean, cache in caches.items()}
-        logits = {}
-        for lean in (True, False):
-            model.lean_decode = lean
-            before = counter.calls
-            logits[lean], caches[lean] = model.decode_step(steps[rows, step], caches[lean])
-            block_calls[lean] += counter.calls - before
-        error = max(error, (logits[True] - logits[False]).abs().max().item())
-        scale = max(scale, logits[False].abs().max().item())
-    model.lean_decode = True
-    return {"error": error, "scale": scale, "block_calls": block_calls}
+    error = {path: 0.0 for path in paths}
+    scale = 0.0
+    block_calls = {path: 0 for path in paths}
+    layer_steps = {path: 0 for path in paths}
+    HybridDecoderLayer.step = counted_step
+    try:
+        for step in range(NUM_STEPS):
+            if step == keep_after:
+                rows = torch.tensor([2, 0])
+                caches = {path: cache.select(rows) for path, cache in caches.items()}
+            logits = {}
+            for path in paths:
+                model.lean_decode, compiled = PATHS[path]
+                blocks_before, steps_before = block_counter.calls, step_calls["count"]
+                logits[path], caches[path] = model.decode_step(steps[rows, step], caches[path], compiled=compiled)
+                block_calls[path] += block_counter.calls - blocks_before
+                layer_steps[path] += step_calls["count"] - steps_before
+            for path in paths:
+                error[path] = max(error[path], (logits[path] - logits["megatron"]).abs().max().item())
+            scale = max(scale, logits["megatron"].abs().max().item())
+    finally:
+        HybridDecoderLayer.step = eager_step
+        model.lean_decode = True
+    return {"error": error, "scale": scale, "block_calls": block_calls, "layer_steps": layer_steps}
 
 
-def _greedy(model, prompts: list[torch.Tensor]) -> dict:
+def _greedy(model, prompts: list[torch.Tensor], paths) -> dict:
     from megacispo.config import RolloutConfig
     from megacispo.rollout import generate
 
     results = {}
-    for lean in (True, False):
-        model.lean_decode = lean
+    for path in paths:
+        model.lean_decode, compiled = PATHS[path]
+        config = RolloutConfig(max_new_tokens=GREEDY_NEW_TOKENS, temperature=0.0, compile_decode=compiled)
         samples = generate(
-            model, [p.tolist() for p in prompts], RolloutConfig(max_new_tokens=GREEDY_NEW_TOKENS, temperature=0.0),
-            eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0),
+            model, [p.tolist() for p in prompts], config, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0),
         )
-        results[lean] = (samples.tokens, samples.rollout_logprobs, samples.response_lengths)
+        results[path] = (samples.tokens, samples.rollout_logprobs, samples.response_lengths)
     model.lean_decode = True
     return results
 
@@ -116,10 +141,13 @@ def _compare_paths(dtype_name: str) -> dict:
     # Token ids from 3 up: no prompt token is EOS or PAD.
     prompts = [torch.randint(3, model.vocab_size, (length,), generator=generator) for length in PROMPT_LENGTHS]
     steps = torch.randint(0, model.vocab_size, (len(prompts), NUM_STEPS), generator=generator)
+    # torch.compile's cost (tens of seconds on 2 cores) is paid once, in fp32.
+    paths = tuple(PATHS) if dtype == torch.float32 else ("lean", "megatron")
     return {
-        "padded_batch": _teacher_forced(model, prompts, steps, KEEP_AFTER),
-        "single_sequence": _teacher_forced(model, prompts[1:2], steps[1:2], None),
-        "greedy": _greedy(model, prompts) if dtype == torch.float32 else None,
+        "paths": paths,
+        "padded_batch": _teacher_forced(model, prompts, steps, KEEP_AFTER, paths),
+        "single_sequence": _teacher_forced(model, prompts[1:2], steps[1:2], None, paths),
+        "greedy": _greedy(model, prompts, paths) if dtype == torch.float32 else None,
     }
 
 
@@ -134,25 +162,40 @@ def test_lean_step_logits_equal_megatron_path(compared, case):
     dtype_name, result = compared
     outcome = result[case]
     assert outcome["scale"] > 1.0, "the test model must produce non-trivial logits"
-    assert outcome["error"] <= TOLERANCE[dtype_name] * outcome["scale"], (
-        f"{case} {dtype_name}: max abs difference {outcome['error']:.2e} at logits up to {outcome['scale']:.1f}"
-    )
+    for path in result["paths"]:
+        assert outcome["error"][path] <= TOLERANCE[dtype_name] * outcome["scale"], (
+            f"{case} {dtype_name} {path}: max abs difference {outcome['error'][path]:.2e} "
+            f"at logits up to {outcome['scale']:.1f}"
+        )
 
 
 @pytest.mark.parametrize("case", ["padded_batch", "single_sequence"])
 def test_lean_step_skips_transformer_block(compared, case):
     _, result = compared
     calls = result[case]["block_calls"]
-    assert calls[True] == 0, f"the lean path called TransformerBlock.forward {calls[True]} times"
-    assert calls[False] == NUM_STEPS, "the Megatron path runs TransformerBlock.forward once per step"
+    for path in result["paths"]:
+        expected = NUM_STEPS if path == "megatron" else 0
+        assert calls[path] == expected, f"{path}: TransformerBlock.forward ran {calls[path]} times in {NUM_STEPS} steps"
 
 
-def test_greedy_rollout_equal_on_both_paths(compared):
+@pytest.mark.parametrize("case", ["padded_batch", "single_sequence"])
+def test_compiled_step_runs_no_layer_eagerly(compared, case):
+    dtype_name, result = compared
+    if "compiled" not in result["paths"]:
+        pytest.skip("the compiled step is checked in the fp32 model")
+    layer_steps = result[case]["layer_steps"]
+    assert layer_steps["lean"] > 0, "the count must see the lean path's eager layer steps"
+    assert layer_steps["compiled"] == 0, f"the compiled path ran a layer's step eagerly {layer_steps['compiled']} times"
+
+
+def test_greedy_rollout_equal_on_all_paths(compared):
     dtype_name, result = compared
     if result["greedy"] is None:
         pytest.skip("greedy rollouts are compared in the fp32 model")
-    lean_tokens, lean_logprobs, lean_lengths = result["greedy"][True]
-    tokens, logprobs, lengths = result["greedy"][False]
-    assert torch.equal(lean_lengths, lengths) and torch.equal(lean_tokens, tokens)
+    tokens, logprobs, lengths = result["greedy"]["megatron"]
     assert bool((lengths > 1).any()), "some response must run decode steps"
-    torch.testing.assert_close(lean_logprobs, logprobs, rtol=0, atol=TOLERANCE[dtype_name])
+    for path in result["paths"]:
+        path_tokens, path_logprobs, path_lengths = result["greedy"][path]
+        assert torch.equal(path_lengths, lengths) and torch.equal(path_tokens, tokens), path
+        scale = max(1.0, logprobs.abs().max().item())
+        torch.testing.assert_close(path_logprobs, logprobs, rtol=0, atol=TOLERANCE[dtype_name] * scale)

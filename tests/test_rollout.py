@@ -24,7 +24,7 @@ class ScriptedPolicy(torch.nn.Module):
         self.calls = 0
         return self.script[0].expand(input_ids.shape[0], VOCAB).clone(), {"length": input_ids.shape[1]}
 
-    def decode_step(self, token_ids, cache):
+    def decode_step(self, token_ids, cache, compiled=False):
         self.calls += 1
         return self.script[min(self.calls, len(self.script) - 1)].expand(token_ids.shape[0], VOCAB).clone(), cache
 
