@@ -248,10 +248,9 @@ class HybridModel(LanguageModule):
         token_ids = token_ids.reshape(cache.batch_size, 1)
         position_ids = cache.next_positions[:, None]
         if compiled:
-            cache.reserve(2)  # this token and one more (InferenceCache.reserve)
-        cache.append_token()
-        if compiled:
+            cache.reserve(2)  # this token and one more (InferenceCache.reserve): append_token keeps the buffers
             cache.mark_dynamic_shapes(token_ids, position_ids)
+        cache.append_token()
         logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True, compiled=compiled)
         cache.next_positions = cache.next_positions + 1
         return logits[:, -1], cache
