@@ -14,6 +14,8 @@ setup(
         "megacispo.models": "models",
         "megacispo.parallel": "parallel",
     },
+    # models/cpu_kernels.py compiles these on first use.
+    package_data={"megacispo.models": ["csrc/*.cpp"]},
     install_requires=[
         # The CPU build lies on the CI machines' disk; any other torch is a multi-GB CUDA download.
         "torch==2.13.0",
@@ -26,6 +28,8 @@ setup(
         "pyyaml",
         "tqdm",
         "numpy",
+        # torch.utils.cpp_extension builds the CPU decode kernel (models/cpu_kernels.py) with it.
+        "ninja",
     ],
     extras_require={
         "fp8": ["transformer-engine[pytorch]"],

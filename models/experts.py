@@ -31,8 +31,9 @@ permute / sort / unpermute bookkeeping cost a CPU decode step about as much as t
 ``step`` (HybridModel's lean decode step, one token per sequence) also does the router's math
 itself, as TopKRouter computes it for this model's configuration, without the router module's
 autograd function and [tokens, experts] routing map; one sequence runs just its top-k experts.
-The experts of a step are computed by ``decode_experts`` from the weights alone; under torch.compile
-(``decode_step(compiled=True)``) it is a custom op, opaque to the graph, since which experts run
+The experts of a step are computed from the weights alone: on a CPU in fp32 by one C++ call
+(cpu_kernels' ``decode_experts_cpu``), else by ``decode_experts`` in torch's ops; under torch.compile
+(``decode_step(compiled=True)``) either is one op, opaque to the graph, since which experts run
 depends on the router's values.
 """
 
@@ -44,6 +45,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megacispo.models.cpu_kernels import cpu_kernels_available
 from megacispo.models.layers import few_rows_linear
 
 
@@ -113,7 +115,8 @@ def decode_experts(
     """The routed experts of a decode step: tokens [b, H], each with its k experts top_experts [b, k]
     and routing weights probs [b, k] -> [b, H], the weighted expert outputs summed per token as
     MoELayer does (expert-major rows in token order, then index_add_). One token runs just its k
-    experts and adds them in ascending expert order: the same float sums."""
+    experts and adds them in ascending expert order: the same float sums. cpu_kernels'
+    ``decode_experts_cpu`` computes the same in one C++ call."""
     if tokens.shape[0] == 1:
         experts = top_experts[0].tolist()
         output = None
@@ -135,8 +138,8 @@ def decode_experts(
     return _sum_per_token(tokens, token_ids, expert_outputs)
 
 
-# torch.compile (HybridModel.decode_step(compiled=True)) traces a whole decode step as one graph;
-# which experts run depends on the router's values, so the experts are one opaque op in it.
+# Under torch.compile the experts are one op, opaque to the graph: which experts run depends on
+# the router's values, which a graph cannot branch on.
 _decode_experts_op = torch.library.custom_op("megacispo::decode_experts", decode_experts, mutates_args=())
 
 
@@ -228,8 +231,13 @@ class InProcessMoELayer(MoELayer):
             output, _ = self.forward(hidden[None])
             return output[0]
         probs, top_experts = self._route_tokens(hidden)  # [b, k] each
+        fc1_weights, fc2_weights = self.experts.expert_weights()
+        if hidden.dtype == probs.dtype == torch.float32 and not hidden.is_cuda and cpu_kernels_available():
+            return torch.ops.megacispo.decode_experts_cpu(
+                hidden.contiguous(), probs, top_experts, fc1_weights, fc2_weights
+            )
         experts = _decode_experts_op if torch.compiler.is_compiling() else decode_experts
-        return experts(hidden, probs, top_experts, *self.experts.expert_weights())
+        return experts(hidden, probs, top_experts, fc1_weights, fc2_weights)
 
     def _routes_in_process(self, intermediate_tensors) -> bool:
         return self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None

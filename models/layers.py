@@ -16,6 +16,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
+from megacispo.models.cpu_kernels import cpu_kernels_available
+
 
 _FP32_OR_WIDER = (torch.float32, torch.float64)
 
@@ -29,35 +31,29 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 # Decoding multiplies this few rows at a time (a batch of sequences, or an expert's share of it).
 FEW_ROWS = 16
-# A one-row product's weight is read in this many blocks of output rows (few_rows_linear).
-ROW_BLOCKS = 16
 
 
 def few_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [m, in] x weight [out, in] -> [m, out], F.linear without bias, fast for decoding's few rows.
 
-    On a CPU a decode step's products are bound by reading the weights, and F.linear reads them
-    slowly for few rows:
-    - one row: a single-threaded matrix-vector product (5 to 7 GB/s here). Cut into ROW_BLOCKS
-      blocks of output rows, the weight is read by a batched product whose blocks the threads
-      share: 1.5x to 2.4x faster for 0.26 to 17 MB weights on 2 cores;
-    - 2 to FEW_ROWS rows: the product is taken as (weight rows^T)^T, which streams the weight row
-      by row: 1.8x faster than F.linear at 8 rows.
-    The same sums in another order. More rows, GPUs and autograd (training keeps the sums of
-    Megatron's linears) take F.linear.
+    On a CPU a decode step's products are bound by reading the weights, which torch's products
+    read at 5 to 15 GB/s for 1 to FEW_ROWS rows. fp32 products of that many rows run the C++ kernel
+    of cpu_kernels (each weight row read once, for all the rows): the same sums
+    in another order, and for a row the same bits whatever the other rows. More rows, other dtypes,
+    GPUs, autograd (training keeps the sums of Megatron's linears), a non-contiguous weight and a
+    CPU without the kernel take F.linear.
     """
-    num_rows, out_features = rows.shape[0], weight.shape[0]
-    if rows.is_cuda or torch.is_grad_enabled() or not 1 <= num_rows <= FEW_ROWS:
+    if (
+        rows.is_cuda
+        or torch.is_grad_enabled()
+        or not 1 <= rows.shape[0] <= FEW_ROWS
+        or rows.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or not weight.is_contiguous()
+        or not cpu_kernels_available()
+    ):
         return torch.nn.functional.linear(rows, weight)
-    # Contiguous in and out: the product's kernel, and so its rounding, must not depend on how the
-    # caller's rows happen to be laid out (a pipeline stage receives them contiguous).
-    rows = rows.contiguous()
-    if num_rows > 1:
-        return torch.mm(weight, rows.t()).t().contiguous()
-    if out_features % ROW_BLOCKS or not weight.is_contiguous():
-        return torch.nn.functional.linear(rows, weight)
-    blocks = weight.view(ROW_BLOCKS, out_features // ROW_BLOCKS, weight.shape[1])  # [blocks, out / blocks, in]
-    return torch.bmm(blocks, rows.t().expand(ROW_BLOCKS, -1, 1)).view(1, out_features)
+    return torch.ops.megacispo.few_rows_linear(rows.contiguous(), weight)
 
 
 def scalar_operand(value: float, like: torch.Tensor) -> torch.Tensor | float:

@@ -43,6 +43,7 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
+from megacispo.models.cpu_kernels import cpu_kernels_available
 from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32, few_rows_linear
 from megacispo.parallel.layout import broadcast_from_last_stage
 
@@ -355,6 +356,7 @@ class HybridModel(LanguageModule):
                 "set rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
+            cpu_kernels_available()  # built now, not while the step is traced
             self._compiled_lean = torch.compile(self._lean_stage)
         return self._compiled_lean
 

@@ -1,0 +1,121 @@
+"""The CPU decode kernels (models/csrc/cpu_decode.cpp, built by models/cpu_kernels.py) against fp64
+references on random inputs of odd sizes:
+
+- ``few_rows_linear`` (the kernel for 1 to FEW_ROWS fp32 rows; F.linear otherwise): within 1e-5 of
+  the rows' scale; a row gets the same bits alone, in any batch and with any number of threads;
+- ``decode_experts_cpu`` (one C++ call per MoE layer) against ``experts.decode_experts`` in fp64, with
+  idle experts and a token per expert or many;
+- bad inputs get an error naming the argument; without the kernels both fall back to torch's ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacispo.models import cpu_kernels
+from megacispo.models.experts import decode_experts
+from megacispo.models.layers import FEW_ROWS, few_rows_linear
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    # The README's set-up has what they need (g++, ninja): on its machines they must build.
+    assert cpu_kernels.cpu_kernels_available()
+
+
+def _scale(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (rows.double().abs() @ weight.double().abs().T).max()
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, FEW_ROWS])
+@pytest.mark.parametrize("out_features", [1, 7, 50, 257])
+@pytest.mark.parametrize("in_features", [5, 37, 256])
+def test_few_rows_linear_equals_the_fp64_product(num_rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(num_rows * 1000 + out_features + in_features)
+    rows = torch.randn(num_rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    with torch.no_grad():
+        actual = few_rows_linear(rows, weight)
+    assert actual.shape == (num_rows, out_features) and actual.dtype == torch.float32 and actual.is_contiguous()
+    # fp32 sums of in_features products: well within 1e-5 of the rows' scale.
+    expected = rows.double() @ weight.double().T
+    assert (actual.double() - expected).abs().max() <= 1e-5 * _scale(rows, weight)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(301, 83, generator=generator)
+    rows = torch.randn(FEW_ROWS, 83, generator=generator)
+    threads = torch.get_num_threads()
+    with torch.no_grad():
+        alone = torch.cat([few_rows_linear(rows[i : i + 1], weight) for i in range(FEW_ROWS)])
+        assert torch.equal(few_rows_linear(rows, weight), alone)
+        assert torch.equal(few_rows_linear(rows[3:10], weight), alone[3:10])
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(few_rows_linear(rows, weight), alone)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_few_rows_linear_takes_f_linear_beyond_the_kernel():
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 24, generator=generator)
+    many = torch.randn(FEW_ROWS + 1, 24, generator=generator)
+    wide = torch.randn(3, 48, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(few_rows_linear(many, weight), torch.nn.functional.linear(many, weight))
+        # Non-contiguous rows are made contiguous: the kernel's bits, whatever the caller's layout.
+        assert torch.equal(few_rows_linear(wide[:, ::2], weight), few_rows_linear(wide[:, ::2].contiguous(), weight))
+        assert torch.equal(few_rows_linear(many[:2].double(), weight.double()),
+                           torch.nn.functional.linear(many[:2].double(), weight.double()))
+    rows = many[:1].clone().requires_grad_()
+    assert torch.equal(few_rows_linear(rows, weight), torch.nn.functional.linear(rows, weight))
+
+
+def _experts(num_experts: int, hidden: int, ffn: int, generator: torch.Generator):
+    fc1 = [torch.randn(2 * ffn, hidden, generator=generator) / hidden**0.5 for _ in range(num_experts)]
+    fc2 = [torch.randn(hidden, ffn, generator=generator) / ffn**0.5 for _ in range(num_experts)]
+    return fc1, fc2
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 16, 33])
+def test_decode_experts_equals_the_fp64_experts(batch):
+    num_experts, topk, hidden, ffn = 6, 2, 37, 19
+    generator = torch.Generator().manual_seed(batch)
+    fc1, fc2 = _experts(num_experts, hidden, ffn, generator)
+    tokens = torch.randn(batch, hidden, generator=generator)
+    probs = torch.rand(batch, topk, generator=generator)
+    # Experts 0 and 5 never chosen: idle experts are skipped, the others get 1 to many rows.
+    top_experts = torch.stack([torch.randperm(4, generator=generator)[:topk] + 1 for _ in range(batch)])
+    with torch.no_grad():
+        actual = torch.ops.megacispo.decode_experts_cpu(tokens, probs, top_experts, fc1, fc2)
+        expected = decode_experts(
+            tokens.double(), probs.double(), top_experts, [w.double() for w in fc1], [w.double() for w in fc2]
+        )
+    assert actual.shape == tokens.shape and actual.dtype == torch.float32
+    assert (actual.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_bad_inputs_name_the_argument():
+    generator = torch.Generator().manual_seed(4)
+    fc1, fc2 = _experts(3, 16, 8, generator)
+    tokens, probs = torch.randn(2, 16, generator=generator), torch.rand(2, 2, generator=generator)
+    op = torch.ops.megacispo.decode_experts_cpu
+    with pytest.raises(RuntimeError, match="expert id 3 outside"):
+        op(tokens, probs, torch.tensor([[0, 3], [1, 2]]), fc1, fc2)
+    with pytest.raises(RuntimeError, match="fc1 weight must be a contiguous fp32"):
+        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), [fc1[0].double(), *fc1[1:]], fc2)
+    with pytest.raises(RuntimeError, match="expert 1 weights"):
+        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), [fc1[0], fc1[1][:, :8].contiguous(), fc1[2]], fc2)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        torch.ops.megacispo.few_rows_linear(torch.randn(17, 16), fc2[0].T.contiguous())
+
+
+def test_without_the_kernels_few_rows_linear_is_f_linear(monkeypatch):
+    generator = torch.Generator().manual_seed(5)
+    rows, weight = torch.randn(5, 24, generator=generator), torch.randn(12, 24, generator=generator)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    with torch.no_grad():
+        assert torch.equal(few_rows_linear(rows, weight), torch.nn.functional.linear(rows, weight))
