@@ -11,7 +11,9 @@ Megatron path; EP = 2: the MoE's dispatcher; PP = 2: the lean path stage by stag
 
 The compiled step (``decode_step(compiled=True)``, torch.compile of the lean path) is checked the
 same way in fp32 (the batch size changes midway and the softmax layer's cache grows: recompiles),
-and runs as compiled graphs: no decoder layer's ``step`` runs eagerly during its decode steps.
+and runs as compiled graphs: no decoder layer's ``step`` runs eagerly during its decode steps. Its
+guards leave out most checks of the modules (``_lean_step_guards``) but keep their Python values: two
+models that differ only in their norms' epsilon each get their own lean step's logits.
 """
 
 from __future__ import annotations
@@ -199,3 +201,38 @@ def test_greedy_rollout_equal_on_all_paths(compared):
         assert torch.equal(path_lengths, lengths) and torch.equal(path_tokens, tokens), path
         scale = max(1.0, logprobs.abs().max().item())
         torch.testing.assert_close(path_logprobs, logprobs, rtol=0, atol=TOLERANCE[dtype_name] * scale)
+
+
+def _compiled_steps_of_two_models() -> dict:
+    """Two models with the same weights whose norms' epsilon differs (a Python number in their
+    modules, which the compiled step reads as a constant): each model's compiled steps give its own
+    lean steps' logits, whichever model compiled first (the guards on such values stay)."""
+    from megacispo.models.config import transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig
+
+    first = _build_model(torch.float32)
+    other_cfg = first.hybrid_config.replace(norm_eps=0.5)
+    second = HybridModel(other_cfg, transformer_config(other_cfg, ParallelConfig(), init_method_std=0.3)).eval()
+    second.load_state_dict(first.state_dict())
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(3, first.vocab_size, (2, 9), generator=generator)
+    steps = torch.randint(3, first.vocab_size, (2, 4), generator=generator)
+    logits = {}
+    for name, model in (("first", first), ("second", second)):
+        for compiled in (True, False):
+            _, cache = model.prefill(input_ids)
+            logits[name, compiled] = torch.stack(
+                [model.decode_step(steps[:, step], cache, compiled=compiled)[0] for step in range(steps.shape[1])]
+            )
+    return {
+        "compiled_error": max((logits[name, True] - logits[name, False]).abs().max().item() for name in ("first", "second")),
+        "models_differ": (logits["first", False] - logits["second", False]).abs().max().item(),
+        "scale": logits["first", False].abs().max().item(),
+    }
+
+
+def test_compiled_step_of_each_model_reads_its_own_constants():
+    (result,) = run_distributed(_compiled_steps_of_two_models, 1)
+    assert result["models_differ"] > 1e-2 * result["scale"], "the epsilons must change the logits"
+    assert result["compiled_error"] <= TOLERANCE["float32"] * result["scale"], result
