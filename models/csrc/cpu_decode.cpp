@@ -1,13 +1,13 @@
 // The CPU decode step's kernels (fp32, AVX2 + FMA), built by models/cpu_kernels.py:
 //
 //   megacispo::few_rows_linear(rows [m, K], weight [N, K]) -> [m, N]   F.linear, for m <= 16 rows
-//   megacispo::decode_experts(tokens [b, H], probs [b, k], top_experts [b, k],
-//                             fc1_weights, fc2_weights) -> [b, H]     one MoE layer's routed experts
+//   megacispo::decode_experts_cpu(tokens [b, H], probs [b, k], top_experts [b, k],
+//                                 fc1_weights, fc2_weights) -> [b, H]  one MoE layer's routed experts
 //
 // A decode step's products have few rows and are bound by reading the weights, which MKL's sgemm
 // reads at 5-15 GB/s for 2 to 16 rows on the AMD CPUs we measured (its packing and blocking are
-// built for many rows). Here each weight row is read once, into a register at a time, and
-// multiplied with up to 8 rows while it is there (eight AVX2 accumulators), the rows staying in
+// built for many rows). Here each weight row is read once, 8 floats at a time, each 8 multiplied
+// with up to 8 rows while they are in a register (eight AVX2 accumulators), the rows staying in
 // L1, the weight prefetched a few rows ahead. The output rows are shared out among torch's OpenMP
 // threads.
 //
@@ -143,7 +143,7 @@ void expert_products(const std::vector<int64_t>& experts, const std::vector<int6
 // expert-major rows, token order within an expert, then index_add_).
 at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
                           at::TensorList fc1_weights, at::TensorList fc2_weights) {
-  const char* op = "decode_experts";
+  const char* op = "decode_experts_cpu";
   check_fp32_contiguous(tokens, op, "tokens");
   check_fp32_contiguous(probs, op, "probs");
   TORCH_CHECK(top_experts.scalar_type() == at::kLong && top_experts.is_contiguous() && top_experts.dim() == 2 &&
