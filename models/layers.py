@@ -38,10 +38,10 @@ def few_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     On a CPU a decode step's products are bound by reading the weights, which torch's products
     read at 5 to 15 GB/s for 1 to FEW_ROWS rows. fp32 products of that many rows run the C++ kernel
-    of cpu_kernels (each weight row read once, for all the rows): the same sums
-    in another order, and for a row the same bits whatever the other rows. More rows, other dtypes,
-    GPUs, autograd (training keeps the sums of Megatron's linears), a non-contiguous weight and a
-    CPU without the kernel take F.linear.
+    of cpu_kernels (each weight row read once, for all the rows): the same sums in another order,
+    and for a row the same bits whatever the other rows. More rows, other dtypes, GPUs, autograd
+    (training keeps the sums of Megatron's linears), a non-contiguous weight and a CPU without the
+    kernel take F.linear.
     """
     if (
         rows.is_cuda

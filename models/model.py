@@ -42,8 +42,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
-from megacispo.models.decoder_layer import block_spec
 from megacispo.models.cpu_kernels import cpu_kernels_available
+from megacispo.models.decoder_layer import block_spec
 from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32, few_rows_linear
 from megacispo.parallel.layout import broadcast_from_last_stage
 
