@@ -1,4 +1,4 @@
-"""The C++ kernels of CPU decoding (models/csrc/cpu_decode.cpp), compiled on first use.
+"""The C++ kernels of CPU decoding (models/csrc/cpu_decode.cpp), compiled at set-up or on first use.
 
 - ``torch.ops.megacispo.few_rows_linear(rows, weight)``: F.linear for 1 to 16 rows, each weight
   row read once for all the rows (``layers.few_rows_linear`` says when it is used);
@@ -6,8 +6,8 @@
   a decode step's routed experts of one MoE layer in one call (``experts.decode_experts``).
 
 torch.utils.cpp_extension builds them with the machine's C++ compiler and ninja into its extension
-cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions): about 20 s the first time on 2
-cores, then a load. They need AVX2 and FMA; where they can't be built, decoding runs torch's ops
+cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions): tools/setup_env.sh does it, about
+15 s on 2 cores; later calls only load them. They need AVX2 and FMA; where they can't be built, decoding runs torch's ops
 instead, more slowly, after one warning that says why.
 """
 
