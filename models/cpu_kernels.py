@@ -39,6 +39,12 @@ def cpu_kernels_available() -> bool:
     return _loaded
 
 
+def cpu_kernels_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: all fp32 on a CPU, and the kernels loaded."""
+    on_cpu_in_fp32 = all(tensor.dtype == torch.float32 and tensor.device.type == "cpu" for tensor in tensors)
+    return on_cpu_in_fp32 and cpu_kernels_available()
+
+
 def _load() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):

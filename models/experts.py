@@ -45,7 +45,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megacispo.models.cpu_kernels import cpu_kernels_available
+from megacispo.models.cpu_kernels import cpu_kernels_apply
 from megacispo.models.layers import few_rows_linear
 
 
@@ -232,7 +232,7 @@ class InProcessMoELayer(MoELayer):
             return output[0]
         probs, top_experts = self._route_tokens(hidden)  # [b, k] each
         fc1_weights, fc2_weights = self.experts.expert_weights()
-        if hidden.dtype == probs.dtype == torch.float32 and not hidden.is_cuda and cpu_kernels_available():
+        if cpu_kernels_apply(hidden, probs):
             return torch.ops.megacispo.decode_experts_cpu(
                 hidden.contiguous(), probs, top_experts, fc1_weights, fc2_weights
             )

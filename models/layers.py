@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
-from megacispo.models.cpu_kernels import cpu_kernels_available
+from megacispo.models.cpu_kernels import cpu_kernels_apply
 
 
 _FP32_OR_WIDER = (torch.float32, torch.float64)
@@ -44,13 +44,10 @@ def few_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     kernel take F.linear.
     """
     if (
-        rows.is_cuda
-        or torch.is_grad_enabled()
+        torch.is_grad_enabled()
         or not 1 <= rows.shape[0] <= FEW_ROWS
-        or rows.dtype != torch.float32
-        or weight.dtype != torch.float32
         or not weight.is_contiguous()
-        or not cpu_kernels_available()
+        or not cpu_kernels_apply(rows, weight)
     ):
         return torch.nn.functional.linear(rows, weight)
     return torch.ops.megacispo.few_rows_linear(rows.contiguous(), weight)
