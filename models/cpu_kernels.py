@@ -1,14 +1,20 @@
-"""The C++ kernels of CPU decoding (models/csrc/cpu_decode.cpp), compiled at set-up or on first use.
+"""megacispo's C++ CPU kernels (models/csrc/), compiled at set-up or on first use.
+
+Decoding (cpu_decode.cpp):
 
 - ``torch.ops.megacispo.few_rows_linear(rows, weight)``: F.linear for 1 to 16 rows, each weight
   row read once for all the rows (``layers.few_rows_linear`` says when it is used);
 - ``torch.ops.megacispo.decode_experts_cpu(tokens, probs, top_experts, fc1_weights, fc2_weights)``:
   a decode step's routed experts of one MoE layer in one call (``experts.decode_experts``).
 
+Training (cpu_swiglu.cpp): ``torch.ops.megacispo.swiglu_forward(projected, probs)`` and
+``swiglu_backward(grad_weighted, projected, probs)``, an expert's SwiGLU times its routing weight
+and its gradient, one pass each (``experts.expert_mlp`` under autograd).
+
 torch.utils.cpp_extension builds them with the machine's C++ compiler and ninja into its extension
 cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions): tools/setup_env.sh does it, about
-15 s on 2 cores; later calls only load them. They need AVX2 and FMA; where they can't be built, decoding runs torch's ops
-instead, more slowly, after one warning that says why.
+15 s on 2 cores; later calls only load them. They need AVX2 and FMA; where they can't be built, decoding and
+the experts' SwiGLU run torch's ops instead, more slowly, after one warning that says why.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 import torch
 
 EXTENSION_NAME = "megacispo_cpu_kernels"
-_SOURCES = [Path(__file__).with_name("csrc") / "cpu_decode.cpp"]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_swiglu.cpp")]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # torch's own libgomp is loaded first, and this library's libgomp.so.1 resolves to it: one
 # OpenMP thread pool, the one torch.set_num_threads sizes.
@@ -48,8 +54,8 @@ def cpu_kernels_apply(*tensors: torch.Tensor) -> bool:
 def _load() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        warnings.warn(f"megacispo's CPU decode kernels need AVX2 and this CPU runs torch at {capability}: "
-                      "decoding runs torch's ops instead.", stacklevel=3)
+        warnings.warn(f"megacispo's CPU kernels need AVX2 and this CPU runs torch at {capability}: "
+                      "decoding and the experts' SwiGLU run torch's ops instead.", stacklevel=3)
         return False
     from torch.utils import cpp_extension
 
@@ -59,7 +65,7 @@ def _load() -> bool:
             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, is_python_module=False,
         )
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"megacispo's CPU decode kernels did not build ({error}); decoding runs torch's ops "
+        warnings.warn(f"megacispo's CPU kernels did not build ({error}); decoding and the experts' SwiGLU run torch's ops "
                       "instead, 2 to 3x slower. They need a C++ compiler (g++) and ninja (pip install ninja).",
                       stacklevel=3)
         return False

@@ -1,11 +1,14 @@
-"""The CPU decode kernels (models/csrc/cpu_decode.cpp, built by models/cpu_kernels.py) against fp64
-references on random inputs of odd sizes:
+"""The CPU kernels (models/csrc/, built by models/cpu_kernels.py) against fp64 references on random
+inputs of odd sizes:
 
 - ``few_rows_linear`` (the kernel for 1 to FEW_ROWS fp32 rows; F.linear otherwise): within 1e-5 of
   the rows' scale; a row gets the same bits alone, in any batch and with any number of threads;
 - ``decode_experts_cpu`` (one C++ call per MoE layer) against ``experts.decode_experts`` in fp64, with
   idle experts and a token per expert or many;
-- bad inputs get an error naming the argument; without the kernels both fall back to torch's ops.
+- the experts' SwiGLU for training (``swiglu_forward`` / ``swiglu_backward`` in ``expert_mlp`` under
+  autograd): the forward the same bits as torch's ops, every gradient within 1e-5 of its scale of
+  the fp64 autograd of torch's ops, with 0, 1 and odd numbers of rows and an odd width;
+- bad inputs get an error naming the argument; without the kernels they fall back to torch's ops.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 from megacispo.models import cpu_kernels
-from megacispo.models.experts import decode_experts
+from megacispo.models.experts import decode_experts, expert_mlp
 from megacispo.models.layers import FEW_ROWS, few_rows_linear
 
 
@@ -119,3 +122,53 @@ def test_without_the_kernels_few_rows_linear_is_f_linear(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     with torch.no_grad():
         assert torch.equal(few_rows_linear(rows, weight), torch.nn.functional.linear(rows, weight))
+
+
+def _torch_ops_expert(tokens, probs, fc1, fc2):
+    """expert_mlp's math in torch's ops (its path without the kernels)."""
+    gate, up = (tokens @ fc1.T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up * probs[:, None]) @ fc2.T
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 33])
+@pytest.mark.parametrize("ffn", [5, 19, 64])
+def test_swiglu_expert_equals_torch_ops_and_the_fp64_gradients(num_rows, ffn):
+    hidden = 37
+    generator = torch.Generator().manual_seed(num_rows * 100 + ffn)
+    (fc1,), (fc2,) = _experts(1, hidden, ffn, generator)
+    inputs = [torch.randn(num_rows, hidden, generator=generator), torch.rand(num_rows, generator=generator), fc1, fc2]
+    grad_out = torch.randn(num_rows, hidden, generator=generator)
+    leaves = [tensor.clone().requires_grad_(True) for tensor in inputs]
+    output = expert_mlp(*leaves)
+    assert output.grad_fn.name() == "_SwiGLUExpertBackward"
+    output.backward(grad_out)
+    with torch.no_grad():  # the forward: torch's ops, bit for bit
+        assert torch.equal(output, _torch_ops_expert(*inputs))
+    references = [tensor.double().requires_grad_(True) for tensor in inputs]
+    _torch_ops_expert(*references).backward(grad_out.double())
+    for name, leaf, reference in zip(("tokens", "probs", "fc1", "fc2"), leaves, references):
+        assert leaf.grad.shape == reference.grad.shape, name
+        if reference.grad.numel():  # an idle expert still gets (zero) weight gradients
+            scale = reference.grad.abs().max().clamp(min=1.0)
+            assert (leaf.grad.double() - reference.grad).abs().max() <= 1e-5 * scale, name
+
+
+def test_swiglu_kernels_name_bad_inputs():
+    projected, probs = torch.randn(4, 10), torch.rand(4)
+    with pytest.raises(RuntimeError, match="projected must be a contiguous"):
+        torch.ops.megacispo.swiglu_forward(torch.randn(4, 9), probs)
+    with pytest.raises(RuntimeError, match="probs must be a contiguous"):
+        torch.ops.megacispo.swiglu_forward(projected, torch.rand(3))
+    with pytest.raises(RuntimeError, match="must be float32"):
+        torch.ops.megacispo.swiglu_forward(projected.double(), probs)
+    with pytest.raises(RuntimeError, match=r"grad_weighted must be a contiguous float32 \[4, 5\]"):
+        torch.ops.megacispo.swiglu_backward(torch.randn(4, 6), projected, probs)
+
+
+def test_without_the_kernels_the_expert_runs_torchs_ops(monkeypatch):
+    generator = torch.Generator().manual_seed(3)
+    (fc1,), (fc2,) = _experts(1, 12, 7, generator)
+    tokens = torch.randn(5, 12, generator=generator).requires_grad_(True)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    output = expert_mlp(tokens, torch.rand(5, generator=generator), fc1, fc2)
+    assert output.grad_fn.name() != "_SwiGLUExpertBackward"
