@@ -108,6 +108,16 @@ def _compare() -> dict:
     }
     out["state_dict_keys"] = (list(upstream.state_dict()), list(ours.state_dict()))
     out["sharded"] = (sharded["upstream"], sharded["ours"])
+    # expert_weights() was looked up by the forwards above; a cast keeps the Parameter objects.
+    ours.double()
+    fc1_weights, fc2_weights = ours.expert_weights()
+    out["weights_after_cast"] = {
+        "dtypes": {str(weight.dtype) for weight in fc1_weights + fc2_weights},
+        "are_the_modules": all(
+            fc1 is expert.linear_fc1.weight and fc2 is expert.linear_fc2.weight
+            for fc1, fc2, expert in zip(fc1_weights, fc2_weights, ours.local_experts, strict=True)
+        ),
+    }
     return out
 
 
@@ -169,6 +179,10 @@ def test_outputs_and_gradients_equal_sequential_mlp(comparison, case):
     for key in ("output", "no_grad_output", "input_grad", "param_grads"):
         assert result[key] <= TOLERANCE, (result["split"], key, result[key])
     assert result["idle_grads_zero"]
+
+
+def test_expert_weights_are_the_modules_parameters_after_a_cast(comparison):
+    assert comparison["weights_after_cast"] == {"dtypes": {"torch.float64"}, "are_the_modules": True}
 
 
 def test_state_dict_and_sharded_keys_equal_sequential_mlp(comparison):
