@@ -13,8 +13,8 @@ and its gradient, one pass each (``experts.expert_mlp`` under autograd).
 
 torch.utils.cpp_extension builds them with the machine's C++ compiler and ninja into its extension
 cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions): tools/setup_env.sh does it, about
-15 s on 2 cores; later calls only load them. They need AVX2 and FMA; where they can't be built, decoding and
-the experts' SwiGLU run torch's ops instead, more slowly, after one warning that says why.
+15 s on 2 cores; later calls only load them. They need AVX2 and FMA; where they can't be built,
+decoding and the experts' SwiGLU run torch's ops instead, more slowly, after one warning that says why.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def _load() -> bool:
             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, is_python_module=False,
         )
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"megacispo's CPU kernels did not build ({error}); decoding and the experts' SwiGLU run torch's ops "
-                      "instead, 2 to 3x slower. They need a C++ compiler (g++) and ninja (pip install ninja).",
+        warnings.warn(f"megacispo's CPU kernels did not build ({error}); decoding and the experts' SwiGLU run "
+                      "torch's ops instead, more slowly. They need a C++ compiler (g++) and ninja (pip install ninja).",
                       stacklevel=3)
         return False
     torch.library.register_fake("megacispo::few_rows_linear")(_few_rows_linear_shape)
