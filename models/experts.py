@@ -85,16 +85,17 @@ class _SwiGLUExpert(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, probs, fc1_weight, fc2_weight):
+        probs = probs.contiguous()
         projected = tokens @ fc1_weight.T  # [m, 2F], [gate | up]
-        weighted = torch.ops.megacispo.swiglu_forward(projected, probs.contiguous())  # [m, F]
+        weighted = torch.ops.megacispo.swiglu_forward(projected, probs)  # [m, F]
         ctx.save_for_backward(tokens, probs, fc1_weight, fc2_weight, projected, weighted)
         return weighted @ fc2_weight.T
 
     @staticmethod
     def backward(ctx, grad_out):
         tokens, probs, fc1_weight, fc2_weight, projected, weighted = ctx.saved_tensors
-        grad_weighted = (grad_out @ fc2_weight).contiguous()
-        grad_projected, grad_probs = torch.ops.megacispo.swiglu_backward(grad_weighted, projected, probs.contiguous())
+        grad_weighted = grad_out @ fc2_weight  # a new, contiguous [m, F]
+        grad_projected, grad_probs = torch.ops.megacispo.swiglu_backward(grad_weighted, projected, probs)
         need_tokens, _, need_fc1, need_fc2 = ctx.needs_input_grad
         return (
             grad_projected @ fc1_weight if need_tokens else None,
