@@ -11,10 +11,14 @@ Training (cpu_swiglu.cpp): ``torch.ops.megacispo.swiglu_forward(projected, probs
 ``swiglu_backward(grad_weighted, projected, probs)``, an expert's SwiGLU times its routing weight
 and its gradient, one pass each (``experts.expert_mlp`` under autograd).
 
+Dense products (cpu_matmul.cpp): ``torch.ops.megacispo.onednn_mm(a, b)`` and
+``onednn_addmm_(out, a, b)``, fp32 products on oneDNN's kernels (``matmul`` says when and why).
+
 torch.utils.cpp_extension builds them with the machine's C++ compiler and ninja into its extension
 cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions): tools/setup_env.sh does it, about
 15 s on 2 cores; later calls only load them. They need AVX2 and FMA; where they can't be built,
-decoding and the experts' SwiGLU run torch's ops instead, more slowly, after one warning that says why.
+decoding, the experts' SwiGLU and the dense products run torch's ops instead, more slowly, after
+one warning that says why.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from pathlib import Path
 import torch
 
 EXTENSION_NAME = "megacispo_cpu_kernels"
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_swiglu.cpp")]
+_SOURCES = [
+    Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_swiglu.cpp", "cpu_matmul.cpp")
+]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # torch's own libgomp is loaded first, and this library's libgomp.so.1 resolves to it: one
 # OpenMP thread pool, the one torch.set_num_threads sizes.
@@ -54,8 +60,8 @@ def cpu_kernels_apply(*tensors: torch.Tensor) -> bool:
 def _load() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        warnings.warn(f"megacispo's CPU kernels need AVX2 and this CPU runs torch at {capability}: "
-                      "decoding and the experts' SwiGLU run torch's ops instead.", stacklevel=3)
+        warnings.warn(f"megacispo's CPU kernels need AVX2 and this CPU runs torch at {capability}: decoding, "
+                      "the experts' SwiGLU and the dense products run torch's ops instead.", stacklevel=3)
         return False
     from torch.utils import cpp_extension
 
@@ -65,8 +71,9 @@ def _load() -> bool:
             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, is_python_module=False,
         )
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"megacispo's CPU kernels did not build ({error}); decoding and the experts' SwiGLU run "
-                      "torch's ops instead, more slowly. They need a C++ compiler (g++) and ninja (pip install ninja).",
+        warnings.warn(f"megacispo's CPU kernels did not build ({error}); decoding, the experts' SwiGLU and the "
+                      "dense products run torch's ops instead, more slowly. They need a C++ compiler (g++) and "
+                      "ninja (pip install ninja).",
                       stacklevel=3)
         return False
     torch.library.register_fake("megacispo::few_rows_linear")(_few_rows_linear_shape)

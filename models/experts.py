@@ -48,6 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megacispo.models.cpu_kernels import cpu_kernels_apply
 from megacispo.models.layers import few_rows_linear
+from megacispo.models.matmul import mm
 
 
 def supports_fused_forward(config: TransformerConfig) -> bool:
@@ -81,27 +82,28 @@ class _SwiGLUExpert(torch.autograd.Function):
     """expert_mlp's math with the SwiGLU times the routing weight, and its gradient, each one C++
     pass (swiglu_forward / swiglu_backward), where autograd ran silu, two products and the split of
     fc1's output, then their backward passes and a cat (an RL update of the small model on 2 CPU
-    cores: 2.13 vs 2.23 s). The forward gives torch's ops' bits; fp32 on a CPU only."""
+    cores: 2.13 vs 2.23 s). The SwiGLU gives torch's ops' bits; the products are matmul.mm's (oneDNN);
+    fp32 on a CPU only."""
 
     @staticmethod
     def forward(ctx, tokens, probs, fc1_weight, fc2_weight):
         probs = probs.contiguous()
-        projected = tokens @ fc1_weight.T  # [m, 2F], [gate | up]
+        projected = mm(tokens, fc1_weight.T)  # [m, 2F], [gate | up]
         weighted = torch.ops.megacispo.swiglu_forward(projected, probs)  # [m, F]
         ctx.save_for_backward(tokens, probs, fc1_weight, fc2_weight, projected, weighted)
-        return weighted @ fc2_weight.T
+        return mm(weighted, fc2_weight.T)
 
     @staticmethod
     def backward(ctx, grad_out):
         tokens, probs, fc1_weight, fc2_weight, projected, weighted = ctx.saved_tensors
-        grad_weighted = grad_out @ fc2_weight  # a new, contiguous [m, F]
+        grad_weighted = mm(grad_out, fc2_weight)  # a new, contiguous [m, F]
         grad_projected, grad_probs = torch.ops.megacispo.swiglu_backward(grad_weighted, projected, probs)
         need_tokens, _, need_fc1, need_fc2 = ctx.needs_input_grad
         return (
-            grad_projected @ fc1_weight if need_tokens else None,
+            mm(grad_projected, fc1_weight) if need_tokens else None,
             grad_probs,
-            grad_projected.T @ tokens if need_fc1 else None,
-            grad_out.T @ weighted if need_fc2 else None,
+            mm(grad_projected.T, tokens) if need_fc1 else None,
+            mm(grad_out.T, weighted) if need_fc2 else None,
         )
 
 

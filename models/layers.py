@@ -17,6 +17,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 from megacispo.models.cpu_kernels import cpu_kernels_apply
+from megacispo.models.matmul import linear
 
 
 _FP32_OR_WIDER = (torch.float32, torch.float64)
@@ -40,8 +41,8 @@ def few_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     read at 5 to 15 GB/s for 1 to FEW_ROWS rows. fp32 products of that many rows run the C++ kernel
     of cpu_kernels (each weight row read once, for all the rows): the same sums in another order,
     and for a row the same bits whatever the other rows. More rows, other dtypes, GPUs, autograd
-    (training keeps the sums of Megatron's linears), a non-contiguous weight and a CPU without the
-    kernel take F.linear.
+    (training keeps the sums of the layers' own products), a non-contiguous weight and a CPU without
+    the kernel take ``matmul.linear`` (oneDNN or F.linear).
     """
     if (
         torch.is_grad_enabled()
@@ -49,7 +50,7 @@ def few_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         or not weight.is_contiguous()
         or not cpu_kernels_apply(rows, weight)
     ):
-        return torch.nn.functional.linear(rows, weight)
+        return linear(rows, weight)
     return torch.ops.megacispo.few_rows_linear(rows.contiguous(), weight)
 
 
@@ -155,6 +156,28 @@ class TensorParallelRMSNorm(torch.nn.Module):
         )
 
 
+class _OwnProduct:
+    """Megatron's parallel linear with its product on ``matmul.linear`` (oneDNN on CPUs where that is
+    faster) when the product itself communicates nothing: no sequence-parallel gather, no gradient
+    all-reduce, no fused accumulation into main_grad. So it is for the projections of the two
+    builders below at any layout, and for the LM head at TP = 1; otherwise Megatron's product runs."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs["bias"] is not None or kwargs.get("grad_output_buffer") is not None or any(
+            kwargs[flag] for flag in ("gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel")
+        ):
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return linear(input, weight)
+
+
+class MatmulColumnParallelLinear(_OwnProduct, tensor_parallel.ColumnParallelLinear):
+    """ColumnParallelLinear, its product on matmul.linear where it communicates nothing."""
+
+
+class MatmulRowParallelLinear(_OwnProduct, tensor_parallel.RowParallelLinear):
+    """RowParallelLinear, its product on matmul.linear; its output reduction stays Megatron's."""
+
+
 def local_column_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
     """A ColumnParallelLinear whose input is already in the tensor-parallel region.
 
@@ -162,20 +185,20 @@ def local_column_parallel_linear(config: TransformerConfig, input_size: int, out
     does the one all-gather (sequence parallel) or copy (its backward all-reduce) for all of them,
     instead of one per projection as a plain ColumnParallelLinear would.
     """
-    linear = tensor_parallel.ColumnParallelLinear(
+    projection = MatmulColumnParallelLinear(
         input_size, output_size, config=config, init_method=config.init_method, bias=False,
         gather_output=False, disable_grad_reduce=True, tp_group=tp_group,
     )
     # With disable_grad_reduce the layer skips the copy and the gradient all-reduce; this also
     # skips its own sequence-parallel all-gather (tensor_parallel/layers.py:1028 passes the flag on).
-    linear.sequence_parallel = False
-    return linear
+    projection.sequence_parallel = False
+    return projection
 
 
 def row_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
     """RowParallelLinear from head-split channels back to the hidden size: all-reduce, or
     reduce-scatter along the sequence under sequence parallelism."""
-    return tensor_parallel.RowParallelLinear(
+    return MatmulRowParallelLinear(
         input_size, output_size, config=config, init_method=config.output_layer_init_method, bias=False,
         input_is_parallel=True, skip_bias_add=True, tp_group=tp_group,
     )

@@ -44,7 +44,13 @@ from megatron.core.utils import get_pg_rank
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.cpu_kernels import cpu_kernels_available
 from megacispo.models.decoder_layer import block_spec
-from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32, few_rows_linear
+from megacispo.models.layers import (
+    InferenceCache,
+    MatmulColumnParallelLinear,
+    RotaryEmbedding,
+    at_least_fp32,
+    few_rows_linear,
+)
 from megacispo.parallel.layout import broadcast_from_last_stage
 
 
@@ -92,7 +98,7 @@ class HybridModel(LanguageModule):
             hybrid_config.layer_kind(layer.layer_number - 1) == SOFTMAX for layer in self.decoder.layers
         )
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
+            self.output_layer = MatmulColumnParallelLinear(
                 config.hidden_size, hybrid_config.vocab_size, config=config, init_method=config.init_method,
                 bias=False, gather_output=False, tp_group=self.pg_collection.tp,
             )

@@ -19,6 +19,7 @@ import torch
 from megacispo.models import cpu_kernels
 from megacispo.models.experts import decode_experts, expert_mlp
 from megacispo.models.layers import FEW_ROWS, few_rows_linear
+from megacispo.models.matmul import linear, mm
 
 
 @pytest.fixture(autouse=True)
@@ -62,19 +63,19 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count():
             torch.set_num_threads(threads)
 
 
-def test_few_rows_linear_takes_f_linear_beyond_the_kernel():
+def test_few_rows_linear_takes_matmul_linear_beyond_the_kernel():
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(40, 24, generator=generator)
     many = torch.randn(FEW_ROWS + 1, 24, generator=generator)
     wide = torch.randn(3, 48, generator=generator)
     with torch.no_grad():
-        assert torch.equal(few_rows_linear(many, weight), torch.nn.functional.linear(many, weight))
+        assert torch.equal(few_rows_linear(many, weight), linear(many, weight))
         # Non-contiguous rows are made contiguous: the kernel's bits, whatever the caller's layout.
         assert torch.equal(few_rows_linear(wide[:, ::2], weight), few_rows_linear(wide[:, ::2].contiguous(), weight))
         assert torch.equal(few_rows_linear(many[:2].double(), weight.double()),
                            torch.nn.functional.linear(many[:2].double(), weight.double()))
     rows = many[:1].clone().requires_grad_()
-    assert torch.equal(few_rows_linear(rows, weight), torch.nn.functional.linear(rows, weight))
+    assert torch.equal(few_rows_linear(rows, weight), linear(rows, weight))
 
 
 def _experts(num_experts: int, hidden: int, ffn: int, generator: torch.Generator):
@@ -125,13 +126,13 @@ def test_without_the_kernels_few_rows_linear_is_f_linear(monkeypatch):
 
 
 def _torch_ops_expert(tokens, probs, fc1, fc2):
-    """expert_mlp's math in torch's ops (its path without the kernels)."""
-    gate, up = (tokens @ fc1.T).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up * probs[:, None]) @ fc2.T
+    """expert_mlp's math in torch's ops, with the same products (matmul.mm)."""
+    gate, up = mm(tokens, fc1.T).chunk(2, dim=-1)
+    return mm(torch.nn.functional.silu(gate) * up * probs[:, None], fc2.T)
 
 
 @pytest.mark.parametrize("num_rows", [0, 1, 7, 33])
-@pytest.mark.parametrize("ffn", [5, 19, 64])
+@pytest.mark.parametrize("ffn", [5, 12, 19, 40, 64])
 def test_swiglu_expert_equals_torch_ops_and_the_fp64_gradients(num_rows, ffn):
     hidden = 37
     generator = torch.Generator().manual_seed(num_rows * 100 + ffn)

@@ -11,6 +11,8 @@ import torch
 
 from megacispo.parallel.multiprocess import run_distributed
 
+# Largest difference relative to the values' scale (at least 1): Megatron's linears multiply on
+# torch's BLAS, ours on oneDNN (models/matmul.py), the same sums in another order.
 TOLERANCE = 1e-6
 # Tokens per local expert of the tiny model (4 experts): idle experts first, in the middle and
 # last, one expert with everything, and no tokens at all.
@@ -49,13 +51,16 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def _max_difference(a: dict, b: dict) -> float:
+    """The largest |a - b| over the tensors, each relative to max(|a|, 1)."""
     assert a.keys() == b.keys()
     worst = 0.0
     for key in a:
         assert (a[key] is None) == (b[key] is None), key
         if a[key] is not None:
             assert a[key].shape == b[key].shape, key
-            worst = max(worst, (a[key] - b[key]).abs().max().item() if a[key].numel() else 0.0)
+            if a[key].numel():
+                scale = max(a[key].abs().max().item(), 1.0)
+                worst = max(worst, (a[key] - b[key]).abs().max().item() / scale)
     return worst
 
 

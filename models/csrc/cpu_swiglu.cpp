@@ -7,14 +7,15 @@
 //
 // One pass over the rows each way, where autograd runs silu, two products and the split of fc1's
 // output, then their backward passes and a cat. The forward computes each element as torch's
-// silu and products do, in their order (silu = x / (1 + exp(-x)) with SLEEF's exp, the tail
-// without SIMD with std::exp, as ATen's loops do), then times up, then times p.
+// silu and products do, in their order (silu = x / (1 + exp(-x)), with SLEEF's exp where ATen's
+// loops use SIMD and std::exp where they don't), then times up, then times p.
 
 // ATen's SIMD vectors for AVX2 in this translation unit (the flags in cpu_kernels.py allow them).
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -33,6 +34,9 @@ using Vec = at::vec::Vectorized<float>;
 // Rows per task: a row is 2F floats, a few microseconds of work.
 constexpr int64_t kGrainRows = 16;
 
+// Floats in two of the SIMD vectors that torch's own elementwise kernels use on this CPU.
+const int64_t kTorchSimdPair = at::get_cpu_capability() == "AVX512" ? 32 : 16;
+
 void check_inputs(const char* op, const at::Tensor& projected, const at::Tensor& probs) {
   TORCH_CHECK(projected.scalar_type() == at::kFloat && probs.scalar_type() == at::kFloat, op,
               ": projected and probs must be float32, got ", projected.scalar_type(), " and ", probs.scalar_type());
@@ -49,6 +53,9 @@ at::Tensor swiglu_forward(const at::Tensor& projected, const at::Tensor& probs) 
   const float* x = projected.data_ptr<float>();
   const float* p = probs.data_ptr<float>();
   float* out = weighted.data_ptr<float>();
+  // torch's silu runs SIMD over whole pairs of its vectors and the rest of a row without (ATen's
+  // vectorized_loop); SLEEF's exp gives the same bits at either vector width.
+  const int64_t vectorized = ffn - ffn % kTorchSimdPair;
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
     const Vec one(1.0f);
     for (int64_t row = begin; row < end; ++row) {
@@ -57,7 +64,7 @@ at::Tensor swiglu_forward(const at::Tensor& projected, const at::Tensor& probs) 
       float* o = out + row * ffn;
       const Vec prob(p[row]);
       int64_t f = 0;
-      for (; f + Vec::size() <= ffn; f += Vec::size()) {
+      for (; f < vectorized; f += Vec::size()) {
         const Vec g = Vec::loadu(gate + f);
         ((g / (one + g.neg().exp())) * Vec::loadu(up + f) * prob).store(o + f);
       }
