@@ -30,6 +30,10 @@ eagerly and compiled (``rollout.compile_decode``: torch.compile of the step, com
 generation of a few tokens whose time is printed), vs
 ``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
 
+The script prints the CPU and what each side's fp32 products run on: ours on oneDNN where it takes
+fp32 (CPUs with AVX-512; models/matmul.py), else on torch's BLAS (MKL), as HF's always do. MKL runs
+no AVX-512 code on AMD CPUs, so the ratios depend on the CPU: compare runs on the same kind.
+
 Times are the median over the timed steps, the two sides taking turns step by step (generation:
 the fastest of --gen-repeats whole calls per side, the sides taking turns), as wall clock
 and as this process's CPU time (the sum over its threads: less sensitive to other jobs on a shared
@@ -41,8 +45,10 @@ machine, but it counts a thread that spins at a barrier as busy).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import platform
 import re
 import statistics
 import time
@@ -114,6 +120,19 @@ def build_models(config: HybridModelConfig):
 
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def describe_cpu() -> str:
+    """The CPU and the kernels each side's fp32 products run on: the figures depend on both (MKL,
+    torch's BLAS, runs no AVX-512 code on AMD CPUs; models/matmul.py)."""
+    from megacispo.models.matmul import onednn_available
+
+    model = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    ours = "oneDNN" if onednn_available() else "torch's BLAS"
+    return (f"CPU: {model}, torch's SIMD level {torch.backends.cpu.get_cpu_capability()}; "
+            f"dense products: ours on {ours}, HF on torch's BLAS")
 
 
 def implementations(hf_model) -> str:
@@ -410,6 +429,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"parameters: ours {parameter_count(engine.module):,}, HF {parameter_count(hf_model):,} "
           f"(HF {implementations(hf_model)})")
+    print(describe_cpu())
     if args.skip != "generate":
         run_generation(engine, hf_model, args)
     if args.skip != "train":
