@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megacispo.models.matmul import mm
+
 __all__ = [
     "CHUNK_TOKENS",
     "lightning_attention",
@@ -470,12 +472,12 @@ def _per_block(factor: torch.Tensor) -> torch.Tensor:
 
 def _intra_scores(q: torch.Tensor, k: torch.Tensor, decays: _BlockDecays) -> torch.Tensor:
     """Decayed causal scores inside each block: (Q K^T) * D, [b, h, G, B, B]."""
-    return (q @ k.transpose(-1, -2)).mul_(decays.intra)
+    return mm(q, k.transpose(-1, -2)).mul_(decays.intra)
 
 
 def _block_key_values(k: torch.Tensor, v: torch.Tensor, decays: _BlockDecays) -> torch.Tensor:
     """Each block's contribution to the state at its end: (K * k_decay)^T V, [b, h, G, d, d]."""
-    return (k * decays.key).transpose(-1, -2) @ v
+    return mm((k * decays.key).transpose(-1, -2), v)
 
 
 def _chunk_states(
@@ -498,7 +500,7 @@ def _forward_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: torch.Tensor, decays: _BlockDecays
 ) -> torch.Tensor:
     """Left product inside each block plus right product with the state entering it."""
-    return _intra_scores(q, k, decays) @ v + (q * decays.query) @ states
+    return mm(_intra_scores(q, k, decays), v) + mm(q * decays.query, states)
 
 
 def _lightning_forward(
@@ -528,7 +530,7 @@ def _lightning_forward(
         out_blocks = _forward_chunk(q_blocks, k_blocks, v_blocks, states, decays)
         if initial_states is not None:
             initial_blocks = initial_states.index_select(2, chunk.block_docs)  # [b, h, G, d, d]
-            out_blocks = out_blocks + (q_blocks * _chunk_initial_decay(decays, chunk)) @ initial_blocks
+            out_blocks = out_blocks + mm(q_blocks * _chunk_initial_decay(decays, chunk), initial_blocks)
         _scatter_chunk(out, out_blocks, chunk)
     if initial_states is not None:
         final_states = final_states + decays.initial_to_final * initial_states
@@ -567,10 +569,10 @@ def _intra_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of out = P V with P = (Q K^T) * D, recomputing P; all [b, h, G, B, d]."""
     scores = _intra_scores(q, k, decays)
-    grad_v = scores.transpose(-1, -2) @ grad_out
+    grad_v = mm(scores.transpose(-1, -2), grad_out)
     del scores
-    grad_scores = (grad_out @ v.transpose(-1, -2)).mul_(decays.intra)
-    return grad_scores @ k, grad_scores.transpose(-1, -2) @ q, grad_v
+    grad_scores = mm(grad_out, v.transpose(-1, -2)).mul_(decays.intra)
+    return mm(grad_scores, k), mm(grad_scores.transpose(-1, -2), q), grad_v
 
 
 def _backward_chunk(
@@ -588,13 +590,13 @@ def _backward_chunk(
     states, _ = _chunk_states(_block_key_values(k, v, decays), entering, decays, chunk)
     grad_q, grad_k, grad_v = _intra_grads(q, k, v, grad_out, decays)
     # Right product: out += (Q * q_decay) S_in, and S_out = exp(-s B) S_in + (K * k_decay)^T V.
-    grad_q += (grad_out @ states.transpose(-1, -2)) * decays.query
-    grad_entering_direct = (q * decays.query).transpose(-1, -2) @ grad_out
+    grad_q += mm(grad_out, states.transpose(-1, -2)) * decays.query
+    grad_entering_direct = mm((q * decays.query).transpose(-1, -2), grad_out)
     grad_leaving, grad_entering_chunk = _chunk_state_grads(
         grad_entering_direct, grad_next_entering, grad_final, decays, chunk
     )
-    grad_k += (v @ grad_leaving.transpose(-1, -2)) * decays.key
-    grad_v += (k * decays.key) @ grad_leaving
+    grad_k += mm(v, grad_leaving.transpose(-1, -2)) * decays.key
+    grad_v += mm(k * decays.key, grad_leaving)
     return grad_q, grad_k, grad_v, grad_entering_chunk
 
 
@@ -623,8 +625,8 @@ def _lightning_backward(
             q_blocks, grad_out_blocks = blocks[0], blocks[3]
             initial_decay = _chunk_initial_decay(decays, chunk)  # [h, G, B, 1]
             initial_blocks = initial_states.index_select(2, chunk.block_docs)  # [b, h, G, d, d]
-            chunk_grads[0] += (grad_out_blocks @ initial_blocks.transpose(-1, -2)) * initial_decay
-            grad_initial_blocks = (q_blocks * initial_decay).transpose(-1, -2) @ grad_out_blocks
+            chunk_grads[0] += mm(grad_out_blocks, initial_blocks.transpose(-1, -2)) * initial_decay
+            grad_initial_blocks = mm((q_blocks * initial_decay).transpose(-1, -2), grad_out_blocks)
             grad_initial.index_add_(2, chunk.block_docs, grad_initial_blocks)
         for grad, chunk_grad in zip((grad_q, grad_k, grad_v), chunk_grads):
             _scatter_chunk(grad, chunk_grad, chunk)

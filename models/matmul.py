@@ -25,10 +25,17 @@ from megacispo.models.cpu_kernels import cpu_kernels_apply, cpu_kernels_availabl
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [m, k] @ b [k, n] -> [m, n], or batched: [B, m, k] @ [B, k, n] -> [B, m, n]."""
-    if _use_onednn(a, b):
+    """a [..., m, k] @ b [..., k, n] -> [..., m, n]; oneDNN takes operands with the same leading
+    dimensions, torch's matmul the others (broadcasting, vectors)."""
+    if a.dim() < 2 or a.dim() != b.dim() or a.shape[:-2] != b.shape[:-2] or not _use_onednn(a, b):
+        return a @ b
+    if a.dim() <= 3:
         return torch.ops.megacispo.onednn_mm(a, b)
-    return a @ b
+    batch = a.shape[:-2]
+    # Views where the leading dimensions are contiguous, as the lightning layers' blocks are.
+    product = torch.ops.megacispo.onednn_mm(a.reshape(batch.numel(), *a.shape[-2:]),
+                                            b.reshape(batch.numel(), *b.shape[-2:]))
+    return product.view(*batch, *product.shape[-2:])
 
 
 def addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

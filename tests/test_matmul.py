@@ -47,7 +47,7 @@ ONEDNN_BACKWARD = "GeneratedBackwardFor_megacispo_onednn_mm_defaultBackward"
 
 
 @needs_onednn
-@pytest.mark.parametrize("batch", [(), (3,)])
+@pytest.mark.parametrize("batch", [(), (3,), (2, 1, 3)])
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (7, 33, 5), (37, 256, 129), (0, 8, 4), (4, 0, 6), (5, 8, 0)])
 @pytest.mark.parametrize("layouts", [("contiguous", "contiguous"), ("contiguous", "transposed"),
                                      ("transposed", "contiguous"), ("strided", "transposed")])
@@ -104,6 +104,14 @@ def test_addmm_accumulates_into_a_block_of_rows():
     strided = torch.zeros(4, 24)[:, ::2]  # not contiguous: torch's addmm_
     matmul.addmm_(strided, a, b)
     assert torch.equal(strided, torch.zeros(4, 24)[:, ::2].addmm_(a, b))
+
+
+def test_broadcasting_and_vectors_take_torchs_matmul():
+    generator = torch.Generator().manual_seed(7)
+    within, states = torch.randn(4, 6, 6, generator=generator), torch.randn(2, 4, 6, 9, generator=generator)
+    assert torch.equal(matmul.mm(within, states), within @ states)
+    rows, vector = torch.randn(5, 9, generator=generator), torch.randn(9, generator=generator)
+    assert torch.equal(matmul.mm(rows, vector), rows @ vector)
 
 
 def test_other_dtypes_and_no_kernels_take_torchs_products(monkeypatch):
