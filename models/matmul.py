@@ -69,7 +69,7 @@ def onednn_available() -> bool:
     try:
         product = torch.ops.megacispo.onednn_mm(a, a.T)
     except RuntimeError as error:
-        warnings.warn(f"oneDNN does not take fp32 products on this CPU ({error}); training's products run on "
+        warnings.warn(f"oneDNN does not take fp32 products on this CPU ({error}); the dense products run on "
                       "torch's BLAS instead.", stacklevel=3)
         return False
     if not torch.equal(product, a @ a.T):  # small integers: exact in any order
