@@ -5,7 +5,9 @@ Decoding (cpu_decode.cpp):
 - ``torch.ops.megacispo.few_rows_linear(rows, weight)``: F.linear for 1 to 16 rows, each weight
   row read once for all the rows (``layers.few_rows_linear`` says when it is used);
 - ``torch.ops.megacispo.decode_experts_cpu(tokens, probs, top_experts, fc1_weights, fc2_weights)``:
-  a decode step's routed experts of one MoE layer in one call (``experts.decode_experts``).
+  a decode step's routed experts of one MoE layer in one call (``experts.decode_experts``);
+- ``torch.ops.megacispo.rms_norm_rows(rows, weight, eps)``: RMSNorm of a decode step's few rows in
+  one call (``layers.RMSNorm``).
 
 Training (cpu_swiglu.cpp): ``torch.ops.megacispo.swiglu_forward(projected, probs)`` and
 ``swiglu_backward(grad_weighted, projected, probs)``, an expert's SwiGLU times its routing weight

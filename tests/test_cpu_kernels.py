@@ -20,6 +20,7 @@ from megacispo.models import cpu_kernels
 from megacispo.models.experts import decode_experts, expert_mlp
 from megacispo.models.layers import FEW_ROWS, few_rows_linear
 from megacispo.models.matmul import linear, mm
+from megacispo.parallel.multiprocess import run_distributed
 
 
 @pytest.fixture(autouse=True)
@@ -115,6 +116,54 @@ def test_bad_inputs_name_the_argument():
         op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), [fc1[0], fc1[1][:, :8].contiguous(), fc1[2]], fc2)
     with pytest.raises(RuntimeError, match="1 to 16 rows"):
         torch.ops.megacispo.few_rows_linear(torch.randn(17, 16), fc2[0].T.contiguous())
+    with pytest.raises(RuntimeError, match=r"rows \[m, C\] and weight \[C\]"):
+        torch.ops.megacispo.rms_norm_rows(torch.randn(2, 16), torch.ones(15), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous fp32"):
+        torch.ops.megacispo.rms_norm_rows(torch.randn(2, 16), torch.ones(16, dtype=torch.float64), 1e-5)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, FEW_ROWS])
+@pytest.mark.parametrize("channels", [5, 37, 256])
+def test_rms_norm_rows_equals_the_fp64_norm(num_rows, channels):
+    generator = torch.Generator().manual_seed(num_rows * 1000 + channels)
+    rows, weight = torch.randn(num_rows, channels, generator=generator), torch.randn(channels, generator=generator)
+    rows64 = rows.double()
+    expected = weight.double() * (rows64 / torch.sqrt((rows64 * rows64).mean(-1, keepdim=True) + 1e-5))
+    actual = torch.ops.megacispo.rms_norm_rows(rows, weight, 1e-5)
+    assert actual.dtype == torch.float32 and actual.shape == rows.shape
+    assert (actual.double() - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+
+
+def _norms_on_decode_rows() -> dict:
+    """RMSNorm and TensorParallelRMSNorm (TP = 1) in a world of one: which rows take the kernel."""
+    from megatron.core import parallel_state
+
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.layers import RMSNorm, TensorParallelRMSNorm, _rms_normalize, _sum_of_squares
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    assert cpu_kernels.cpu_kernels_available()
+    init_distributed(ParallelConfig(), seed=8)
+    config = transformer_config(model_config("tiny"), ParallelConfig())
+    norm = RMSNorm(config, 64, eps=1e-5)
+    tp_norm = TensorParallelRMSNorm(config, 64, eps=1e-5, tp_group=parallel_state.get_tensor_model_parallel_group())
+    generator = torch.Generator().manual_seed(8)
+    rows, many = torch.randn(3, 64, generator=generator), torch.randn(FEW_ROWS + 1, 64, generator=generator)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=generator))
+        tp_norm.weight.copy_(norm.weight)
+        kernel = torch.ops.megacispo.rms_norm_rows(rows, norm.weight, 1e-5)
+        torch_ops = _rms_normalize(many, many, _sum_of_squares(many), 64, 1e-5, norm.weight)
+        results = {"decode rows": torch.equal(norm(rows), kernel), "tp decode rows": torch.equal(tp_norm(rows), kernel),
+                   "many rows": torch.equal(norm(many), torch_ops)}
+    with_grad = norm(rows)
+    results["autograd"] = with_grad.grad_fn is not None and torch.allclose(with_grad, kernel, rtol=1e-6, atol=1e-6)
+    return results
+
+
+def test_the_norms_take_the_kernel_for_decode_rows_only():
+    (results,) = run_distributed(_norms_on_decode_rows, 1)
+    assert results == {"decode rows": True, "tp decode rows": True, "many rows": True, "autograd": True}
 
 
 def test_without_the_kernels_few_rows_linear_is_f_linear(monkeypatch):
