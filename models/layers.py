@@ -17,7 +17,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 from megacispo.models.cpu_kernels import cpu_kernels_apply
-from megacispo.models.matmul import linear
+from megacispo.models.matmul import linear, onednn_applies
 
 
 _FP32_OR_WIDER = (torch.float32, torch.float64)
@@ -174,25 +174,27 @@ class TensorParallelRMSNorm(torch.nn.Module):
 
 
 class _OwnProduct:
-    """Megatron's parallel linear with its product on ``matmul.linear`` (oneDNN on CPUs where that is
-    faster) when the product itself communicates nothing: no sequence-parallel gather, no gradient
-    all-reduce, no fused accumulation into main_grad. So it is for the projections of the two
-    builders below at any layout, and for the LM head at TP = 1; otherwise Megatron's product runs."""
+    """Megatron's parallel linear with its product on oneDNN (``matmul.linear``) where oneDNN takes
+    it and the product needs none of Megatron's extras: no sequence-parallel gather, no gradient
+    all-reduce, no fused accumulation into main_grad, no deferred weight gradient, no bias. So the
+    projections of the two builders below at any layout, and the LM head at TP = 1, on CPUs with
+    AVX-512; otherwise Megatron's product runs."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if kwargs["bias"] is not None or kwargs.get("grad_output_buffer") is not None or any(
+        needs_megatron = kwargs["bias"] is not None or kwargs.get("grad_output_buffer") is not None or any(
             kwargs[flag] for flag in ("gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel")
-        ):
+        )
+        if needs_megatron or not onednn_applies(input, weight):
             return super()._forward_impl(input, weight, *args, **kwargs)
         return linear(input, weight)
 
 
 class MatmulColumnParallelLinear(_OwnProduct, tensor_parallel.ColumnParallelLinear):
-    """ColumnParallelLinear, its product on matmul.linear where it communicates nothing."""
+    """ColumnParallelLinear, its product on oneDNN where _OwnProduct says."""
 
 
 class MatmulRowParallelLinear(_OwnProduct, tensor_parallel.RowParallelLinear):
-    """RowParallelLinear, its product on matmul.linear; its output reduction stays Megatron's."""
+    """RowParallelLinear, its product on oneDNN where _OwnProduct says; its reduction stays Megatron's."""
 
 
 def local_column_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):

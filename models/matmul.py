@@ -27,7 +27,7 @@ from megacispo.models.cpu_kernels import cpu_kernels_apply, cpu_kernels_availabl
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., m, k] @ b [..., k, n] -> [..., m, n]; oneDNN takes operands with the same leading
     dimensions, torch's matmul the others (broadcasting, vectors)."""
-    if a.dim() < 2 or a.dim() != b.dim() or a.shape[:-2] != b.shape[:-2] or not _use_onednn(a, b):
+    if a.dim() < 2 or a.dim() != b.dim() or a.shape[:-2] != b.shape[:-2] or not onednn_applies(a, b):
         return a @ b
     if a.dim() <= 3:
         return torch.ops.megacispo.onednn_mm(a, b)
@@ -40,7 +40,7 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """out [m, n] += a [m, k] @ b [k, n], in place; no autograd."""
-    if out.is_contiguous() and _use_onednn(out, a, b):
+    if out.is_contiguous() and onednn_applies(out, a, b):
         torch.ops.megacispo.onednn_addmm_(out, a, b)
         return out
     return out.addmm_(a, b)
@@ -48,13 +48,14 @@ def addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def linear(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """input [..., in] x weight [out, in] -> [..., out], F.linear without bias."""
-    if not _use_onednn(input, weight):
+    if not onednn_applies(input, weight):
         return F.linear(input, weight)
     rows = input.reshape(-1, input.shape[-1])
     return torch.ops.megacispo.onednn_mm(rows, weight.T).view(*input.shape[:-1], weight.shape[0])
 
 
-def _use_onednn(*tensors: torch.Tensor) -> bool:
+def onednn_applies(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors' product runs on oneDNN: all fp32 on a CPU where it takes fp32, eager."""
     return cpu_kernels_apply(*tensors) and not torch.compiler.is_compiling() and onednn_available()
 
 
