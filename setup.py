@@ -8,18 +8,18 @@ setup(
     description="Megatron-Core RL training stack for MiniMax-M1 style hybrid lightning-attention MoE models with CISPO",
     python_requires=">=3.10",
     # models/ and parallel/ sit at the top of the repository (SYSTEM.md) but install as subpackages.
-    packages=["megacispo", "megacispo.models", "megacispo.parallel"],
+    packages=["megacispo", "megacispo.models", "megacispo.parallel", "megacispo.parallel.cpu"],
     package_dir={
         "megacispo": "megacispo",
         "megacispo.models": "models",
         "megacispo.parallel": "parallel",
     },
-    # models/cpu_kernels.py compiles these on first use.
-    package_data={"megacispo.models": ["csrc/*.cpp"]},
+    # parallel/cpu/kernels.py compiles these at set-up or on first use.
+    package_data={"megacispo.parallel.cpu": ["csrc/*.cpp"]},
     install_requires=[
         # The CPU build lies on the CI machines' disk; any other torch is a multi-GB CUDA download.
         "torch==2.13.0",
-        # parallel/cpu_backend.py patches this exact release's internals.
+        # parallel/cpu/megatron.py patches this exact release's internals.
         "megatron-core==0.16.1",
         # Megatron-Core's torch_dist checkpoint writer needs it but does not declare it.
         "psutil",
@@ -28,7 +28,7 @@ setup(
         "pyyaml",
         "tqdm",
         "numpy",
-        # torch.utils.cpp_extension builds the CPU decode kernel (models/cpu_kernels.py) with it.
+        # torch.utils.cpp_extension builds the CPU kernels (parallel/cpu/kernels.py) with it.
         "ninja",
     ],
     extras_require={

@@ -15,9 +15,22 @@
    log-probs and their gradient from a vocabulary shard of M1's size (V/TP = 200,064 / 8), the
    fused chunked LM head against logits @ log_softmax, with time and peak memory.
 
-Prints one markdown table; exits 1 if a check failed (its row says why), 2 without a CUDA GPU.
+4. the driver, as a user runs it: torchrun (NCCL, world size 1) launches the real entry points on
+   the ``tiny`` model, in fp32 and in bf16 (--set precision.params_dtype=bfloat16), on the quick
+   start's task data and tokenizer (tools/make_task_data.py, tools/train_tokenizer.py) with a small
+   config in a temporary run directory: SFT steps (megacispo.sft), CISPO RL steps with rollouts
+   through Trainer and generate (megacispo.train), the checkpoint they save, --resume from it for
+   one more step, and megacispo.score on the result. One row per stage in a table of its own; a
+   failed stage fails its row and the stages that need it, not the check.
+
+Prints markdown tables; exits 1 if a check failed (its row says why), 2 without a CUDA GPU.
 
     bash benchmarks/gpu_check.sh            (or: python benchmarks/gpu_check.py --help)
+
+The CPU twin: the driver stages alone, on the CPU with gloo, fp32 and bf16 (CI runs its fp32
+half, tests/test_gpu_check.py; --driver-dtype float32 chooses it):
+
+    bash benchmarks/gpu_check.sh --cpu
 """
 
 from __future__ import annotations
@@ -26,19 +39,29 @@ import argparse
 import contextlib
 import importlib.util
 import inspect
+import json
 import math
+import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
+import yaml
 
 # Dense bf16 tensor-core peak, TFLOP/s, of the GPUs this project targets (SXM parts).
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0}
+REPO = Path(__file__).resolve().parent.parent
+DRIVER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -54,9 +77,25 @@ class Row:
     note: str = ""
 
 
+class StageFailed(Exception):
+    """A driver stage ran but went wrong; the message is its row's result."""
+
+
+@dataclass
+class StageRow:
+    """One line of the driver's table."""
+
+    stage: str
+    dtype: str
+    seconds: float
+    result: str
+    passed: bool
+
+
 @dataclass
 class Report:
     rows: list[Row] = field(default_factory=list)
+    stages: list[StageRow] = field(default_factory=list)
     failed: bool = False
 
     def add(self, row: Row) -> None:
@@ -73,13 +112,40 @@ class Report:
             traceback.print_exc(file=sys.stderr)
             self.add(Row(check, case, note=f"FAILED: {type(error).__name__}: {str(error)[:120]}"))
 
+    def run_stage(self, stage: str, dtype: str, action: Callable[[], str]) -> bool:
+        """Run one driver stage (``action`` returns its key result); a failure becomes a failed row."""
+        started = time.perf_counter()
+        try:
+            result, passed = action(), True
+        except StageFailed as error:
+            result, passed = str(error), False
+        except Exception as error:  # noqa: BLE001 - a bug of the check itself; the row and the exit status say so
+            traceback.print_exc(file=sys.stderr)
+            result, passed = f"{type(error).__name__}: {str(error)[:200]}", False
+        self.add_stage(StageRow(stage, dtype, time.perf_counter() - started, result, passed))
+        return passed
+
+    def add_stage(self, row: StageRow) -> None:
+        self.stages.append(row)
+        self.failed |= not row.passed
+        print(f"  done: driver {row.stage} / {row.dtype}: {'pass' if row.passed else 'FAIL'}", file=sys.stderr, flush=True)
+
     def table(self) -> str:
         header = ("check", "case", "max error", "ms", "throughput", "peak memory", "note")
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for row in self.rows:
-            cells = (row.check, row.case, row.error, row.time, row.throughput, row.memory, row.note)
-            lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines)
+        cells = [(row.check, row.case, row.error, row.time, row.throughput, row.memory, row.note) for row in self.rows]
+        return markdown_table(header, cells)
+
+    def stage_table(self) -> str:
+        header = ("stage", "dtype", "s", "result", "status")
+        cells = [(row.stage, row.dtype, f"{row.seconds:.1f}", row.result.replace("|", "/"),
+                  "pass" if row.passed else "FAIL") for row in self.stages]
+        return markdown_table(header, cells)
+
+
+def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,9 +167,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     loss.add_argument("--loss-tokens", type=int, default=8192)
     loss.add_argument("--vocab-shard", type=int, default=25008, help="V/TP: MiniMax-M1's 200,064 over TP 8")
     loss.add_argument("--hidden", type=int, default=6144)
-    parser.add_argument("--skip", action="append", default=[], choices=("lightning", "train", "loss"),
+    driver = parser.add_argument_group("the driver (tiny model, torchrun with 1 process)")
+    driver.add_argument("--driver-dtype", action="append", choices=DRIVER_DTYPES, default=None,
+                        help="weight dtype of a driver run (repeatable; default: both)")
+    driver.add_argument("--run-dir", default=None,
+                        help="where the driver runs write (kept); default: a temporary directory, removed if every "
+                             "stage passed")
+    driver.add_argument("--stage-timeout", type=float, default=300.0, help="seconds one driver process may run")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the CPU twin: only the driver stages, on the CPU with gloo (no CUDA needed)")
+    parser.add_argument("--skip", action="append", default=[], choices=("lightning", "train", "loss", "driver"),
                         help="leave out a section (repeatable)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.driver_dtype = args.driver_dtype or list(DRIVER_DTYPES)
+    return args
 
 
 def require_cuda() -> None:
@@ -111,7 +188,7 @@ def require_cuda() -> None:
         print(
             "gpu_check: no CUDA GPU is visible to torch (torch.cuda.is_available() is False; torch "
             f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). Run it on a GPU machine with a "
-            "CUDA build of torch; the CPU checks are the test suite (tests/run.sh).",
+            "CUDA build of torch; its driver stages run on the CPU with: bash benchmarks/gpu_check.sh --cpu",
             file=sys.stderr,
         )
         raise SystemExit(2)
@@ -464,20 +541,318 @@ def loss_checks(args: argparse.Namespace, report: Report) -> None:
                             f"{unfused_gib:.2f} GiB"))
 
 
+# ---------------------------------------------------------------------------------------------
+# 4. The driver
+# ---------------------------------------------------------------------------------------------
+
+SFT_STEPS = 8
+RL_STEPS = 2
+SCORED_SEQUENCES = 4
+# tests/reward_fixtures.py, loaded by the trainer as module:function (the children see tests/).
+SPREAD_REWARD = "reward_fixtures:odd_length"
+# torchrun's variables, which init_distributed also sets in this process (section 2): a child that
+# inherited them would join this process's world instead of the one its torchrun makes.
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                   "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+CONSOLE_STEP = re.compile(r"step (\d+) \| (.*)")
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?((?:[\w.]*(?:Error|Exception)|error)\b.*)$", re.MULTILINE)
+
+
+@dataclass
+class DriverInputs:
+    """What every driver run shares: the task data, the tokenizer, the config and the sequences to score."""
+
+    root: Path
+    config: Path
+    score_tokens: Path
+
+
+@dataclass
+class DriverRun:
+    """The driver stages of one weight dtype, in a run directory of their own under the inputs' root."""
+
+    inputs: DriverInputs
+    dtype: str
+    env: dict[str, str]
+    timeout_s: float
+
+    @property
+    def run_dir(self) -> Path:
+        return self.inputs.root / self.dtype
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def config_args(self, *overrides: str) -> list[str]:
+        settings = [f"train.run_dir={self.run_dir}", f"sft.out={self.run_dir / 'sft'}",
+                    f"train.load={self.run_dir / 'sft' / 'checkpoints'}", f"precision.params_dtype={self.dtype}",
+                    *overrides]
+        return ["--config", str(self.inputs.config), *(arg for setting in settings for arg in ("--set", setting))]
+
+    def launch(self, stage: str, module: str, *args: str) -> str:
+        """``torchrun --standalone --nproc-per-node 1 -m module args``; its output."""
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                   "-m", module, *args]
+        return run_logged(command, self.run_dir / "logs" / f"{stage}.log", self.env, self.timeout_s)
+
+
+def child_env(device: str) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # no CUDA: the driver starts gloo and keeps every tensor on the CPU
+    return env
+
+
+def run_logged(command: list[str], log: Path, env: dict[str, str], timeout_s: float) -> str:
+    """Run ``command`` in the repository with its output in ``log``; its output, or StageFailed with
+    the error it ended on."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(process)
+            code = None
+    output = log.read_text()
+    if code == 0:
+        return output
+    print(f"--- {log} (last 40 lines)\n" + "\n".join(output.splitlines()[-40:]), file=sys.stderr, flush=True)
+    if code is None:
+        raise StageFailed(f"timed out after {timeout_s:.0f} s (log: {log})")
+    raise StageFailed(f"exit {code}: {error_line(output)}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    # SIGTERM lets torchrun stop its workers, which run in sessions of their own (a group kill misses them).
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def error_line(output: str) -> str:
+    """The error a failed process ended on: its last exception line other than torchrun's summary."""
+    errors = [line for line in ERROR_LINE.findall(output) if "ChildFailedError" not in line]
+    lines = [line for line in output.splitlines() if line.strip()]
+    return (errors[-1] if errors else lines[-1] if lines else "no output")[:300]
+
+
+def console_values(output: str, label: str) -> dict[int, float]:
+    """{step: value} of one field of the console lines ("step 3 | loss 0.1234 | reward 0.250 | ...")."""
+    values = {}
+    # splitlines: a progress bar ends its line with a carriage return, then the step's line follows.
+    for line in output.splitlines():
+        match = CONSOLE_STEP.fullmatch(line)
+        if match is None:
+            continue
+        for item in match.group(2).split(" | "):
+            name, _, value = item.rpartition(" ")
+            if name == label:
+                values[int(match.group(1))] = float(value)
+    return values
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise StageFailed(message)
+
+
+def require_finite(values: dict[int, float], label: str, steps: list[int]) -> None:
+    require(sorted(values) == steps, f"{label} logged at steps {sorted(values)}, expected {steps}")
+    bad = {step: value for step, value in values.items() if not math.isfinite(value)}
+    require(not bad, f"{label} not finite: {bad}")
+
+
+def prepare_driver_inputs(root: Path) -> tuple[DriverInputs, str]:
+    """The quick start's task data and tokenizer, made by its tools; a config that runs each stage in
+    seconds; the sequences to score. Returns the inputs and a summary for the table."""
+    data, tokenizer_dir = root / "data", root / "tokenizer"
+    env = child_env("cpu")
+    tools = [
+        [sys.executable, "tools/make_task_data.py", "--out", str(data), "--task", "addition", "--digits", "2",
+         "--num-train", "64", "--num-test", "8", "--seed", "0"],
+        [sys.executable, "tools/train_tokenizer.py", "--input", str(data / "corpus.txt"), "--vocab-size", "512",
+         "--out", str(tokenizer_dir)],
+    ]
+    for command in tools:
+        run_logged(command, root / "logs" / f"{Path(command[1]).stem}.log", env, timeout_s=120)
+    tokenizer = tokenizer_dir / "tokenizer.model"
+    config = root / "driver.yaml"
+    config.write_text(yaml.safe_dump(driver_config(data, tokenizer), sort_keys=False))
+    score_tokens, vocab_size = write_score_tokens(data / "test.jsonl", tokenizer, root / "score_tokens.jsonl")
+    return DriverInputs(root, config, score_tokens), f"64 train / 8 test prompts, tokenizer of {vocab_size} pieces"
+
+
+def driver_config(data: Path, tokenizer: Path) -> dict:
+    """The quick start's recipe at world size 1, shrunk to the fewest steps, prompts and tokens that
+    still run every part of each stage."""
+    return {
+        "model": {"size": "tiny"},
+        "data": {"train_prompts": str(data / "train.jsonl"), "test_prompts": str(data / "test.jsonl"),
+                 "sft_pairs": str(data / "sft.jsonl"), "tokenizer": str(tokenizer)},
+        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4, "max_sampling_rounds": 2},
+        # An untrained model earns exact_match's reward almost never: all advantages would be 0, and so
+        # would the policy loss. The end-to-end tests' reward spreads every group's rewards.
+        "rl": {"loss": {"name": "cispo", "params": {"eps_low": 1.0, "eps_high": 4.0}}, "updates_per_rollout": 2,
+               "reward": SPREAD_REWARD},
+        "optimizer": {"lr": 1.0e-4, "clip_grad": 1.0},
+        # Two RL steps, then the resumed third: every checkpoint stays for the save and resume checks.
+        "train": {"steps": RL_STEPS, "micro_batch_size": 8, "keep_last": 3},
+        "sft": {"steps": SFT_STEPS, "batch_size": 16, "lr": 3.0e-3},
+    }
+
+
+def write_score_tokens(test_prompts: Path, tokenizer_path: Path, out: Path) -> tuple[Path, int]:
+    """megacispo.score's input: held-out prompts with their answers, tokenized as SFT tokenizes them."""
+    from megacispo.data import build_sft_example, load_prompts
+    from megacispo.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(tokenizer_path)
+    records = load_prompts(test_prompts)[:SCORED_SEQUENCES]
+    lines = [json.dumps({"tokens": build_sft_example(tokenizer, record).token_ids}) for record in records]
+    out.write_text("".join(line + "\n" for line in lines))
+    return out, tokenizer.vocab_size
+
+
+def sft_stage(run: DriverRun) -> str:
+    output = run.launch("sft", "megacispo.sft", *run.config_args())
+    losses = console_values(output, "sft_loss")
+    require_finite(losses, "sft_loss", list(range(1, SFT_STEPS + 1)))
+    first, last = losses[1], losses[SFT_STEPS]
+    require(last < first, f"the SFT loss did not fall: {first:.4f} -> {last:.4f}")
+    return f"loss {first:.3f} -> {last:.3f} in {SFT_STEPS} steps"
+
+
+def rl_stage(run: DriverRun) -> str:
+    output = run.launch("rl", "megacispo.train", *run.config_args())
+    steps = list(range(1, RL_STEPS + 1))
+    losses, rewards = console_values(output, "loss"), console_values(output, "reward")
+    require_finite(losses, "policy loss", steps)
+    require_finite(rewards, "reward mean", steps)
+    accuracy = re.search(r"held-out accuracy: (\S+) before RL, (\S+) after", output)
+    require(accuracy is not None, "no held-out accuracy line at the end")
+    return (f"per step: policy loss {per_step(losses, '.4f')}, reward mean {per_step(rewards, '.3f')} "
+            f"({SPREAD_REWARD}); held-out acc {accuracy.group(1)} -> {accuracy.group(2)}")
+
+
+def per_step(values: dict[int, float], spec: str) -> str:
+    return ", ".join(f"{values[step]:{spec}}" for step in sorted(values))
+
+
+def save_stage(run: DriverRun) -> str:
+    """The checkpoint the RL run saved at its end: complete, of its last step, its optimizer and dtype."""
+    from megacispo.checkpoint import complete_checkpoints, read_meta
+
+    checkpoints = complete_checkpoints(run.checkpoints)
+    require(bool(checkpoints), f"no complete checkpoint under {run.checkpoints}")
+    meta = read_meta(checkpoints[-1])
+    require(meta["step"] == RL_STEPS, f"the newest checkpoint is of step {meta['step']}, expected {RL_STEPS}")
+    require(meta["has_optimizer"], "the checkpoint has no optimizer state")
+    saved_dtype = meta["config"]["precision"]["params_dtype"]
+    require(saved_dtype == run.dtype, f"the checkpoint's config says {saved_dtype} weights, the run {run.dtype}")
+    size = sum(file.stat().st_size for file in checkpoints[-1].rglob("*") if file.is_file())
+    return f"{checkpoints[-1].name}: model + optimizer + RNG, {size / 2**20:.1f} MiB (written by rl)"
+
+
+def resume_stage(run: DriverRun) -> str:
+    from megacispo.checkpoint import latest_checkpoint, read_meta
+
+    output = run.launch("resume", "megacispo.train", *run.config_args(f"train.steps={RL_STEPS + 1}"), "--resume")
+    # A run that started over would log steps 1..3; a resumed one logs only the step after the checkpoint.
+    losses = console_values(output, "loss")
+    require_finite(losses, "policy loss", [RL_STEPS + 1])
+    newest = latest_checkpoint(run.checkpoints)
+    require(newest is not None and read_meta(newest)["step"] == RL_STEPS + 1,
+            f"no checkpoint of step {RL_STEPS + 1} under {run.checkpoints}")
+    return f"step {RL_STEPS} -> {RL_STEPS + 1}: policy loss {losses[RL_STEPS + 1]:.4f}, saved {newest.name}"
+
+
+def score_stage(run: DriverRun) -> str:
+    """megacispo.score on the run's newest checkpoint: one finite log-prob <= 0 per next token."""
+    out = run.run_dir / "scores.jsonl"
+    run.launch("score", "megacispo.score", "--load", str(run.checkpoints), "--tokens",
+               str(run.inputs.score_tokens), "--out", str(out))
+    require(out.is_file(), f"megacispo.score wrote no {out}")
+    scored = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    require(len(scored) == SCORED_SEQUENCES, f"{len(scored)} scored sequences, expected {SCORED_SEQUENCES}")
+    logprobs = []
+    for record in scored:
+        require(len(record["logprobs"]) == len(record["tokens"]) - 1,
+                f"{len(record['logprobs'])} log-probs for {len(record['tokens'])} tokens")
+        logprobs += record["logprobs"]
+    require(all(math.isfinite(value) and value <= 0 for value in logprobs),
+            f"log-probs outside (-inf, 0]: {[value for value in logprobs if not value <= 0][:3]}")
+    return f"log-prob sum {sum(logprobs):.2f} over {len(logprobs)} tokens of {len(scored)} sequences"
+
+
+# (stage, what it runs, the stage whose output it needs)
+DRIVER_STAGES: tuple[tuple[str, Callable[[DriverRun], str], str | None], ...] = (
+    ("sft", sft_stage, None),
+    ("rl", rl_stage, "sft"),
+    ("save", save_stage, "rl"),
+    ("resume", resume_stage, "save"),
+    ("score", score_stage, "save"),
+)
+
+
+def driver_checks(args: argparse.Namespace, report: Report) -> None:
+    device = "cpu" if args.cpu else "cuda"
+    root = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu_check_driver_"))
+    root.mkdir(parents=True, exist_ok=True)
+    prepared: list[DriverInputs] = []
+
+    def prepare() -> str:
+        inputs, summary = prepare_driver_inputs(root)
+        prepared.append(inputs)
+        return summary
+
+    if report.run_stage("data + tokenizer", "-", prepare):
+        for dtype in args.driver_dtype:
+            run_driver_stages(DriverRun(prepared[0], dtype, child_env(device), args.stage_timeout), report)
+    if args.run_dir:
+        print(f"driver runs kept in {root}", file=sys.stderr)
+    elif not all(row.passed for row in report.stages):
+        print(f"driver runs kept for inspection in {root}", file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_driver_stages(run: DriverRun, report: Report) -> None:
+    passed: set[str] = set()
+    for stage, action, needs in DRIVER_STAGES:
+        if needs is not None and needs not in passed:
+            report.add_stage(StageRow(stage, run.dtype, 0.0, f"not run: it needs {needs}", passed=False))
+        elif report.run_stage(stage, run.dtype, lambda: action(run)):
+            passed.add(stage)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    require_cuda()
+    if not args.cpu:
+        require_cuda()
     report = Report()
     started = time.perf_counter()
-    sections = {"lightning": lightning_checks, "train": train_checks, "loss": loss_checks}
-    for name, run in sections.items():
-        if name not in args.skip:
-            print(f"{name} ...", file=sys.stderr, flush=True)
-            with report.check(name, "section"):
-                run(args, report)
-    print(f"# GPU check on {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda}), "
-          f"{time.perf_counter() - started:.0f} s\n")
-    print(report.table())
+    sections = {"lightning": lightning_checks, "train": train_checks, "loss": loss_checks, "driver": driver_checks}
+    chosen = ["driver"] if args.cpu else [name for name in sections if name not in args.skip]
+    for name in chosen:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        with report.check(name, "section"):
+            sections[name](args, report)
+    if args.cpu:
+        title = f"# GPU check's CPU twin: the driver on the CPU (gloo, torch {torch.__version__})"
+    else:
+        title = f"# GPU check on {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    print(f"{title}, {time.perf_counter() - started:.0f} s\n")
+    if report.rows:
+        print(report.table() + "\n")
+    if report.stages:
+        print("driver stages (torchrun, 1 process, tiny model):\n")
+        print(report.stage_table())
     return 1 if report.failed else 0
 
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check (benchmarks/gpu_check.py) on one CUDA GPU, within a time limit: the Triton lightning
 # kernel against the torch implementation (and fla when installed), a training step of the small
-# model in bf16 and FP8, the vocab-parallel loss. Prints one table; exit status 1 if a check failed,
-# 2 without a CUDA GPU, 124 past the time limit.
+# model in bf16 and FP8, the vocab-parallel loss, then the driver itself (torchrun, NCCL, world size
+# 1, tiny model, fp32 and bf16): SFT, CISPO RL with rollouts, checkpoint save, --resume, score.
+# Prints a table per part, one row per driver stage; exit status 1 if a check failed, 2 without a
+# CUDA GPU, 124 past the time limit.
 #
 #   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --fp8-recipe delayed --skip train]
+#   bash benchmarks/gpu_check.sh --cpu [--driver-dtype float32]
+#       the CPU twin: the driver stages alone, on the CPU with gloo (CI runs its fp32 half)
 #
-# Environment (defaults): PYTHON (.venv/bin/python if present, else python), GPU (0), TIME_LIMIT_S (600).
+# Environment (defaults): PYTHON (.venv/bin/python if present, else python), GPU (0), TIME_LIMIT_S (780).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -14,4 +18,4 @@ if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
 fi
 export CUDA_VISIBLE_DEVICES="${GPU:-0}"
-exec timeout "${TIME_LIMIT_S:-600}" "$PYTHON" benchmarks/gpu_check.py "$@"
+exec timeout "${TIME_LIMIT_S:-780}" "$PYTHON" benchmarks/gpu_check.py "$@"

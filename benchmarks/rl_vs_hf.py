@@ -30,9 +30,11 @@ eagerly and compiled (``rollout.compile_decode``: torch.compile of the step, com
 generation of a few tokens whose time is printed), vs
 ``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
 
-The script prints the CPU and what each side's fp32 products run on: ours on oneDNN where it takes
-fp32 (CPUs with AVX-512; models/matmul.py), else on torch's BLAS (MKL), as HF's always do. MKL runs
-no AVX-512 code on AMD CPUs, so the ratios depend on the CPU: compare runs on the same kind.
+The script prints the CPU and what each side's fp32 products run on: ours through the CPU layer
+(parallel/cpu: oneDNN where it takes fp32, i.e. CPUs with AVX-512, and a few-rows kernel for decode
+steps), HF's on torch's own kernels (MKL) as its users run it: the CPU layer's products are switched
+off around every HF call. MKL runs no AVX-512 code on AMD CPUs, so the ratios depend on the CPU:
+compare runs on the same kind.
 
 Times are the median over the timed steps, the two sides taking turns step by step (generation:
 the fastest of --gen-repeats whole calls per side, the sides taking turns), as wall clock
@@ -56,8 +58,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from megacispo.models.config import HybridModelConfig, model_config
+from megacispo.parallel import cpu
 
 TRAIN_TARGET = 1.5
 GENERATION_TARGET = 3.0
@@ -118,19 +122,27 @@ def build_models(config: HybridModelConfig):
     return engine, hf_model
 
 
+@contextlib.contextmanager
+def torch_products():
+    """HF as its users run it: torch's own CPU products, not those of megacispo's CPU layer."""
+    cpu.disable_products()
+    try:
+        yield
+    finally:
+        cpu.enable_kernels()
+
+
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
 def describe_cpu() -> str:
     """The CPU and the kernels each side's fp32 products run on: the figures depend on both (MKL,
-    torch's BLAS, runs no AVX-512 code on AMD CPUs; models/matmul.py)."""
-    from megacispo.models.matmul import onednn_available
-
+    torch's BLAS, runs no AVX-512 code on AMD CPUs; parallel/cpu/csrc/cpu_gemm.cpp)."""
     model = platform.processor() or "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
         model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
-    ours = "oneDNN" if onednn_available() else "torch's BLAS"
+    ours = "oneDNN" if cpu.enable_kernels() else "torch's BLAS"
     return (f"CPU: {model}, torch's SIMD level {torch.backends.cpu.get_cpu_capability()}; "
             f"dense products: ours on {ours}, HF on torch's BLAS")
 
@@ -207,6 +219,10 @@ def hf_update(hf_model, batch: RLBatch) -> Callable[[], None]:
     targets = batch.tokens[:, 1:]
 
     def update() -> None:
+        with torch_products():
+            hf_step()
+
+    def hf_step() -> None:
         optimizer.zero_grad(set_to_none=True)
         output = hf_model(input_ids=batch.tokens, output_router_logits=True, use_cache=False)
         logprobs = torch.log_softmax(output.logits[:, :-1].float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
@@ -237,10 +253,11 @@ def our_generate(model, prompts: torch.Tensor, new_tokens: int, compile_decode: 
 
 
 def hf_generate(hf_model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    output = hf_model.generate(
-        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-    )
+    with torch_products():
+        output = hf_model.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )
     return output[:, prompts.shape[1] :]
 
 
@@ -251,19 +268,17 @@ def our_prefill(model, prompts: torch.Tensor) -> None:
 
 def hf_prefill(hf_model, prompts: torch.Tensor) -> None:
     hf_model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), torch_products():
         hf_model(input_ids=prompts, use_cache=True, logits_to_keep=1)
 
 
 def decode_weight_reads(model, batch_size: int) -> tuple[Timing, Timing]:
     """What one decode step's weight reads cost alone: rows times every 2-D weight the step reads,
-    one ``few_rows_linear`` call per weight as the decode path makes them: the output layer and
+    one product per weight as the decode path makes them: the output layer and
     each layer's projections and router on all ``batch_size`` rows, and as many of its experts as a
     batch of this size routes to on average, rounded down (E (1 - (1 - k/E)^b)), each on its share
     of the b * k rows; and the same number of bytes read as one stream (a sum over one buffer), the
     machine's floor for them."""
-    from megacispo.models.layers import few_rows_linear
-
     config = model.config
     experts, topk = config.num_moe_experts, config.moe_router_topk
     used = int(experts * (1 - (1 - topk / experts) ** batch_size))
@@ -281,7 +296,7 @@ def decode_weight_reads(model, batch_size: int) -> tuple[Timing, Timing]:
     def matmuls() -> None:
         with torch.no_grad():
             for rows, weight in products:
-                few_rows_linear(rows, weight)
+                F.linear(rows, weight)
 
     return measure(matmuls, 3, 50), measure(stream.sum, 3, 50)
 

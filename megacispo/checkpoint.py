@@ -98,7 +98,8 @@ def _materialize_adam_state(optimizer) -> None:
             for param in group["params"]:
                 if not inner.state[param]:
                     inner.state[param] = {
-                        "step": torch.zeros((), dtype=torch.float32),
+                        # On the host, where torch AdamW keeps the step unless it is capturable or fused.
+                        "step": torch.zeros((), dtype=torch.float32, device="cpu"),
                         "exp_avg": torch.zeros_like(param),
                         "exp_avg_sq": torch.zeros_like(param),
                     }

@@ -226,7 +226,8 @@ class HFTensorReader:
         if index is not None:
             shape = shape[1:]
             start += index * _nbytes(shape, SAFETENSORS_DTYPE_OF[entry["dtype"]])
-        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPE_OF[entry["dtype"]])
+        # On the host: the file is read into its bytes through numpy.
+        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPE_OF[entry["dtype"]], device="cpu")
         if self.meter is not None:
             self.meter.track(tensor)
         with open(self.checkpoint.path_of(name), "rb") as file:
@@ -654,7 +655,8 @@ class CheckpointTensorReader:
         """The region [offsets, offsets + sizes) of ``key`` (default: the whole tensor)."""
         shape, dtype = self.shape_and_dtype(key)
         offsets = offsets if offsets is not None else (0,) * len(shape)
-        destination = torch.empty(sizes if sizes is not None else shape, dtype=dtype)
+        # On the host: the region goes from one checkpoint format to the other and never reaches a GPU.
+        destination = torch.empty(sizes if sizes is not None else shape, dtype=dtype, device="cpu")
         if self.meter is not None:
             self.meter.track(destination)
         with _single_process_dcp():

@@ -173,19 +173,23 @@ class SFTBatch:
     padding_mask: torch.Tensor
     """bool: True where input_ids holds padding."""
 
+    def to(self, device: torch.device) -> SFTBatch:
+        return SFTBatch(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
+
 
 def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> SFTBatch:
     if not examples:
         raise ValueError("collate_sft got no examples; pass at least one SFTExample")
     max_len = max(len(example.token_ids) for example in examples)
-    tokens = torch.full((len(examples), max_len), pad_id, dtype=torch.int64)
+    # Filled row by row on the host; the whole batch moves to the run's device once (SFTBatch.to).
+    tokens = torch.full((len(examples), max_len), pad_id, dtype=torch.int64, device="cpu")
     # Mask over positions of ``tokens``: 1 on the answer and EOS; shifted with the labels below.
-    target_mask = torch.zeros((len(examples), max_len), dtype=torch.float32)
+    target_mask = torch.zeros((len(examples), max_len), dtype=torch.float32, device="cpu")
     for row, example in enumerate(examples):
         length = len(example.token_ids)
-        tokens[row, :length] = torch.tensor(example.token_ids, dtype=torch.int64)
+        tokens[row, :length] = torch.tensor(example.token_ids, dtype=torch.int64, device="cpu")
         target_mask[row, example.num_prompt_tokens : length] = 1.0
-    lengths = torch.tensor([len(example.token_ids) for example in examples])
+    lengths = torch.tensor([len(example.token_ids) for example in examples], device="cpu")
     return SFTBatch(
         input_ids=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=target_mask[:, 1:],
         padding_mask=right_padding_mask(lengths, max_len - 1),
@@ -195,7 +199,7 @@ def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> SFTBatch:
 def right_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """[n, width] bool, True at the padding of sequences of ``lengths`` [n] right-padded to ``width``
     (the model's ``padding_mask``)."""
-    return torch.arange(width) >= lengths[:, None]
+    return torch.arange(width, device=lengths.device) >= lengths[:, None]
 
 
 # ---------------------------------------------------------------------------------------------

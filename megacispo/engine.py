@@ -24,6 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megacispo.config import Config
 from megacispo.models.config import transformer_config
 from megacispo.models.model import HybridModel
+from megacispo.parallel.layout import run_device
 from megacispo.parallel.vocab_parallel import lm_head_input, lm_head_logprobs
 
 
@@ -46,6 +47,8 @@ class Engine:
         """total_steps: optimizer steps of the run; peak_lr: after warm-up (optimizer.warmup_steps);
         decay_steps: cosine decay to optimizer.min_lr over this many steps (0: total_steps)."""
         self.config = config
+        # The model's weights live there, so every tensor the driver makes, collectives' included, does too.
+        self.device = run_device()
         self.groups = ProcessGroupCollection.use_mpu_process_groups()
         self.megatron_config = transformer_config(
             config.model, config.parallel, precision=config.precision, recompute=config.recompute

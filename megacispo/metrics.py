@@ -119,7 +119,8 @@ def moe_load_balance(tokens_per_expert_by_layer: torch.Tensor | Sequence[torch.T
     metrics: dict[str, float] = {}
     defined = []
     for index, counts in enumerate(layers):
-        counts = torch.as_tensor(counts).detach().double()
+        # On the host: a handful of counts per layer, read back as Python floats.
+        counts = torch.as_tensor(counts, device="cpu").detach().double()
         if counts.dim() != 1 or counts.numel() == 0:
             raise ValueError(
                 f"tokens_per_expert_by_layer[{index}] has shape {tuple(counts.shape)}: each layer needs a "
@@ -140,21 +141,23 @@ def moe_load_balance(tokens_per_expert_by_layer: torch.Tensor | Sequence[torch.T
 class Timer:
     """Wall-clock seconds per phase of a step: ``with timer("rollout"): ...``, then
     ``timer.metrics()`` gives ``{"perf/time_rollout_s": ...}`` and starts the next step's count.
-    A phase entered several times in a step adds up."""
+    A phase entered several times in a step adds up. ``device``: the run's; a GPU is waited for at
+    both ends of each phase."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._device = torch.device(device)
         self._seconds: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         if not _PHASE.fullmatch(phase):
             raise ValueError(f"phase = {phase!r}: use lower-case letters, digits and underscores (e.g. 'old_logp').")
-        _synchronize()
+        self._synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            _synchronize()
+            self._synchronize()
             self._seconds[phase] += time.perf_counter() - start
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
@@ -163,11 +166,10 @@ class Timer:
             self._seconds.clear()
         return values
 
-
-def _synchronize() -> None:
-    # GPU work is asynchronous: without a sync a phase would be charged for the previous one's kernels.
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    def _synchronize(self) -> None:
+        # GPU work is asynchronous: without a sync a phase would be charged for the previous one's kernels.
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
 
 # ---------------------------------------------------------------------------------------------

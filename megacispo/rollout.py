@@ -38,8 +38,8 @@ class Samples:
     truncated_early: torch.Tensor
     """[n] bool: stopped by early truncation (N consecutive tokens above probability p)."""
 
-    def select(self, indices: torch.Tensor) -> Samples:
-        return Samples(*(getattr(self, name)[indices] for name in self.__dataclass_fields__))
+    def select(self, rows: torch.Tensor | slice) -> Samples:
+        return Samples(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
 
     def padding_mask(self, width: int) -> torch.Tensor:
         """[n, width] bool: True after each sequence's prompt and response (tokens right-padded to width)."""
@@ -92,6 +92,8 @@ def generate(
 ) -> Samples:
     """Sample one response per prompt (repeat a prompt G times for a group).
 
+    ``generator``: on the device of the model's logits (torch.multinomial draws there); the prompts
+    and the samples are made on it too.
     ``lockstep_group``: ranks whose forward passes communicate with each other beyond tensor
     parallelism (expert parallelism's all-to-all spans data-parallel ranks): they all decode until
     every one of them has finished, so each runs the same number of forward passes.
@@ -107,23 +109,21 @@ def generate(
 
 
 def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress) -> Samples:
+    device = generator.device
     num_samples = len(prompts)
-    prompt_lengths = torch.tensor([len(p) for p in prompts])
-    width = int(prompt_lengths.max())
+    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+    width = max(len(p) for p in prompts)
     # Left-padded prompts [n, P]: every sequence's last prompt token sits in the last column.
-    input_ids = torch.full((num_samples, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((num_samples, width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = True
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
+    attention_mask = torch.arange(width, device=device) >= width - prompt_lengths[:, None]
 
     next_logits, cache = model.prefill(input_ids, attention_mask)  # [n, V]
-    responses = torch.full((num_samples, config.max_new_tokens), pad_id, dtype=torch.long)
-    response_logprobs = torch.zeros((num_samples, config.max_new_tokens))
-    finished = torch.zeros(num_samples, dtype=torch.bool)
-    truncated = torch.zeros(num_samples, dtype=torch.bool)
-    confident_run = torch.zeros(num_samples, dtype=torch.long)
-    response_lengths = torch.zeros(num_samples, dtype=torch.long)
+    responses = torch.full((num_samples, config.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    response_logprobs = torch.zeros((num_samples, config.max_new_tokens), device=device)
+    finished = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    truncated = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    confident_run = torch.zeros(num_samples, dtype=torch.long, device=device)
+    response_lengths = torch.zeros(num_samples, dtype=torch.long, device=device)
     steps = tqdm(range(config.max_new_tokens), desc="rollout", leave=False, disable=not show_progress)
     for t in steps:
         tokens, logprobs, probs = sample_tokens(next_logits, config, generator)
@@ -147,21 +147,22 @@ def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group,
 
 
 def _all_finished(finished: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    flag = torch.tensor(int(finished.all()))
+    flag = finished.all().long()
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag)
 
 
 def _assemble(prompts, prompt_lengths, responses, response_logprobs, response_lengths, truncated, pad_id) -> Samples:
-    total = prompt_lengths + response_lengths
-    width = int(total.max())
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    rollout_logprobs = torch.zeros((len(prompts), width - 1))
-    loss_mask = torch.zeros((len(prompts), width - 1))
-    for row, prompt in enumerate(prompts):
-        p, r = len(prompt), int(response_lengths[row])
-        tokens[row, :p] = torch.tensor(prompt)
+    device = responses.device
+    lengths = response_lengths.tolist()  # one copy to the host for all the rows
+    width = max(len(prompt) + r for prompt, r in zip(prompts, lengths))
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    rollout_logprobs = torch.zeros((len(prompts), width - 1), device=device)
+    loss_mask = torch.zeros((len(prompts), width - 1), device=device)
+    for row, (prompt, r) in enumerate(zip(prompts, lengths)):
+        p = len(prompt)
+        tokens[row, :p] = torch.tensor(prompt, device=device)
         tokens[row, p:p + r] = responses[row, :r]
         # Response token p + i is predicted at position p + i - 1.
         rollout_logprobs[row, p - 1:p - 1 + r] = response_logprobs[row, :r]

@@ -164,9 +164,10 @@ def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | Non
     the others), through Megatron's schedule (forward only; 1F1B hands activations between stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megacispo.parallel.layout import run_device
     from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
 
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = run_device()
     tp_size = torch.distributed.get_world_size(tp_group)
     padded = -(-len(tokens) // tp_size) * tp_size if model.config.sequence_parallel else len(tokens)
     input_ids = torch.zeros(1, padded, dtype=torch.long, device=device)

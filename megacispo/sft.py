@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from megacispo.config import to_dict
     from megacispo.data import PromptSampler, build_sft_example, collate_sft
     from megacispo.engine import Engine
-    from megacispo.losses import compute_global_counts
+    from megacispo.losses import compute_global_counts, reduce_metrics
     from megacispo.metrics import MetricsLogger, is_logging_rank
     from megacispo.parallel.layout import destroy_distributed, init_distributed
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(1, sft.steps + 1):
         records = sampler.next_batch(per_rank * dp_size)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         batch = collate_sft([build_sft_example(tokenizer, r) for r in records], tokenizer.pad_id)
-        batch = _pad_to(batch, engine.padded_length(batch.input_ids.shape[1]), tokenizer.pad_id)
+        batch = _pad_to(batch, engine.padded_length(batch.input_ids.shape[1]), tokenizer.pad_id).to(engine.device)
         size = config.train.micro_batch_size
         micro_batches = [_Micro(batch.input_ids[i:i + size], batch.labels[i:i + size], batch.loss_mask[i:i + size],
                                 batch.padding_mask[i:i + size]) for i in range(0, per_rank, size)]
@@ -69,11 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             return hidden, loss_func
 
         outputs = engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
-        loss = sum(float(o["sft/loss"]) for o in outputs)
         result = engine.step()
-        metrics = torch.tensor([loss], dtype=torch.float64)
-        torch.distributed.all_reduce(metrics, group=engine.dp_group)
-        logger.log(step, {"sft/loss": float(metrics[0]), "perf/grad_norm": result.grad_norm, "perf/lr": result.lr})
+        # Only the last pipeline stage computes the loss (and only it logs).
+        metrics = {"sft/loss": float(reduce_metrics(outputs, group=engine.dp_group)["sft/loss"])} if outputs else {}
+        logger.log(step, {**metrics, "perf/grad_norm": result.grad_norm, "perf/lr": result.lr})
     save_checkpoint(out_dir / "checkpoints", sft.steps, engine.module, config_dict=to_dict(config), keep_last=1)
     if logger.enabled:
         print(f"SFT checkpoint: {out_dir / 'checkpoints'}")

@@ -62,7 +62,9 @@ class ExpertLoadTracker:
     """
 
     def __init__(self, model, num_layers: int, num_experts: int):
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        # Beside the routers' weights: the routing maps are counted there, and collectives take them there.
+        device = model.decoder.layers[0].mlp.router.weight.device
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         for layer in model.decoder.layers:
             layer.mlp.router.register_forward_hook(self._hook(layer.layer_number - 1))
 
@@ -129,7 +131,7 @@ class Trainer:
         return accuracy
 
     def rl_step(self) -> dict[str, float]:
-        timer = Timer()
+        timer = Timer(self.engine.device)
         with timer("rollout"):
             batch, rollout_metrics = self.collect_rollouts()
         with timer("old_logprobs"):
@@ -167,12 +169,13 @@ class Trainer:
             samples, rewards = self._sample_and_score(records, stats)
             advantages = group_relative_advantages(rewards, group_size, eps=self.config.rl.advantage_eps)
             keep = dynamic_sampling_keep_mask(rewards, group_size) if rollout.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+            keep_flags = keep.tolist()  # one copy to the host for all the groups
             for group in range(len(records)):
-                rows = torch.arange(group * group_size, (group + 1) * group_size)
+                rows = slice(group * group_size, (group + 1) * group_size)
                 entry = (samples.select(rows), advantages[rows], rewards[rows])
-                (kept if keep[rows[0]] else spare).append(entry)
+                (kept if keep_flags[rows.start] else spare).append(entry)
             stats["groups"] += len(records)
-            stats["dropped"] += float((~keep).sum()) / group_size
+            stats["dropped"] += keep_flags.count(False) / group_size
             if self._all_reduce_min(len(kept)) >= quota:
                 break
         chosen = (kept + spare)[:quota]
@@ -189,7 +192,7 @@ class Trainer:
         texts = [self._response_text(samples, row) for row in range(len(prompts))]
         repeated = [r for r in records for _ in range(rollout.group_size)]
         rewards, failures = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
-        rewards = torch.tensor(rewards, dtype=torch.float32)
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=self.engine.device)
         stats["rewards"].append(rewards.clone())
         if self.config.rl.overlong_max_length:
             rewards = rewards + overlong_penalty(samples.response_lengths, self.config.rl.overlong_max_length,
@@ -209,7 +212,7 @@ class Trainer:
         # Same on the ranks of a TP group (they must draw the same tokens), different across DP ranks
         # and steps; a resumed run draws what the uninterrupted run would have.
         seed = self.config.train.seed * 1_000_003 + self.step * 1009 + self.dp_rank
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator(device=self.engine.device).manual_seed(seed)
 
     def _to_train_batch(self, chosen) -> TrainBatch:
         width = self.engine.padded_length(max(s.tokens.shape[1] for s, _, _ in chosen))
@@ -234,7 +237,7 @@ class Trainer:
             float((rewards >= 1.0).sum()), float(lengths.sum()), stats["truncated"], stats["failures"],
             stats["groups"], stats["dropped"], float(advantages.sum()), float(advantages.abs().sum()),
             float(advantages.numel()),
-        ], dtype=torch.float64)
+        ], dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(local, group=self.engine.dp_group)
         (reward_sum, reward_sq, n, correct, length_sum, truncated, failures, groups, dropped,
          adv_sum, adv_abs, n_adv) = local.tolist()
@@ -335,7 +338,7 @@ class Trainer:
         greedy = type(self.config.rollout)(**{**vars(self.config.rollout), "temperature": 0.0})
         prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records]
         samples = generate(self.engine.module, prompts, greedy, eos_id=self.tokenizer.eos_id,
-                           pad_id=self.tokenizer.pad_id, generator=torch.Generator(),
+                           pad_id=self.tokenizer.pad_id, generator=torch.Generator(device=self.engine.device),
                            lockstep_group=self.engine.dp_group)
         texts = [self._response_text(samples, row) for row in range(len(records))]
         rewards, _ = score_responses(self.reward_fn, texts, records, self.config.rl.failure_reward)
@@ -387,7 +390,7 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM. The signal reaches ranks at different moments: deciding on
         the flag of this rank alone would leave the others waiting in the next step's collectives."""
-        flag = torch.tensor(int(self._stop_requested))
+        flag = torch.tensor(int(self._stop_requested), device=self.engine.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stopped_by_signal = bool(flag)
         return self.stopped_by_signal
@@ -395,22 +398,23 @@ class Trainer:
     # -- collectives ----------------------------------------------------------------------------
 
     def _gather_over_dp(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor concatenated over the data-parallel ranks (1-D, any length per rank)."""
+        """Each tensor concatenated over the data-parallel ranks (1-D, any length per rank), on the host."""
         gathered: list = [None] * self.dp_size
-        dist.all_gather_object(gathered, tensors, group=self.engine.dp_group)
+        # Pickled as host copies: a GPU tensor would be unpickled onto the sending rank's GPU.
+        dist.all_gather_object(gathered, [tensor.cpu() for tensor in tensors], group=self.engine.dp_group)
         return [torch.cat(parts) for parts in zip(*gathered)]
 
     def _all_reduce_sum(self, value: float) -> float:
-        tensor = torch.tensor(value, dtype=torch.float64)
+        tensor = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(tensor, group=self.engine.dp_group)
         return float(tensor)
 
     def _all_reduce_max(self, value: float) -> float:
-        tensor = torch.tensor(value, dtype=torch.float64)
+        tensor = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.engine.dp_group)
         return float(tensor)
 
     def _all_reduce_min(self, value: float) -> float:
-        tensor = torch.tensor(value, dtype=torch.float64)
+        tensor = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.engine.dp_group)
         return float(tensor)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megacispo.parallel.layout import ModelShape, ParallelConfig
+from megacispo.parallel.layout import ModelShape, ParallelConfig, run_device
 
 LIGHTNING = "L"
 SOFTMAX = "S"
@@ -496,7 +496,9 @@ def transformer_config(
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tp,
         sequence_parallel=parallel.sequence_parallel,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        # Full weights made on the CPU, then split: TP-invariant initialization where it is cheap
+        # (the CPU runs: tests compare layouts from one seed); each GPU makes its own shard.
+        use_cpu_initialization=run_device().type == "cpu",
         **precision_kwargs(precision),
         **recompute_kwargs(recompute),
     )

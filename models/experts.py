@@ -1,4 +1,4 @@
-"""Megatron's SequentialMLP experts with a cheaper forward for CPU decoding and training.
+"""Megatron's SequentialMLP experts with a cheaper forward for decoding and training.
 
 Megatron's SequentialMLP runs every local expert's MLP module on its slice of the permuted tokens,
 also when the slice is empty: decoding one token that goes to 2 of 8 experts still calls 8 MLPs,
@@ -18,8 +18,7 @@ matmul with this rank's shard, and the gate / up split of a shard is the local c
 Experts without tokens are skipped when no gradient is recorded (decoding, evaluation). Under
 autograd every expert still runs (an empty matmul is cheap): each parameter then gets its gradient,
 zero for an idle expert, as with SequentialMLP, so Megatron DDP's per-parameter hooks and
-overlapped gradient reduction see every parameter. In fp32 on a CPU the SwiGLU times p_e and its
-gradient are one C++ pass each (cpu_kernels' ``swiglu_forward`` / ``swiglu_backward``).
+overlapped gradient reduction see every parameter.
 
 Configurations outside plain SwiGLU experts without bias (FP8 / FP4 padding, bias, other
 activations, clamped GLU, delayed weight gradients, probabilities applied on the input) run
@@ -32,10 +31,10 @@ permute / sort / unpermute bookkeeping cost a CPU decode step about as much as t
 ``step`` (HybridModel's lean decode step, one token per sequence) also does the router's math
 itself, as TopKRouter computes it for this model's configuration, without the router module's
 autograd function and [tokens, experts] routing map; one sequence runs just its top-k experts.
-The experts of a step are computed from the weights alone: on a CPU in fp32 by one C++ call
-(cpu_kernels' ``decode_experts_cpu``), else by ``decode_experts`` in torch's ops; under torch.compile
-(``decode_step(compiled=True)``) either is one op, opaque to the graph, since which experts run
-depends on the router's values.
+The experts of a step are computed from the weights alone by the op ``megacispo::decode_experts``,
+``decode_experts`` in torch's ops (a backend may register a kernel of its own for it: the CPU layer
+does, parallel/cpu/); under torch.compile (``decode_step(compiled=True)``) it is opaque to the
+graph, since which experts run depends on the router's values.
 """
 
 from __future__ import annotations
@@ -46,9 +45,6 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megacispo.models.cpu_kernels import cpu_kernels_apply
-from megacispo.models.layers import few_rows_linear
-from megacispo.models.matmul import mm
 
 
 def supports_fused_forward(config: TransformerConfig) -> bool:
@@ -68,43 +64,11 @@ def supports_fused_forward(config: TransformerConfig) -> bool:
 
 def expert_mlp(tokens: torch.Tensor, probs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> torch.Tensor:
     """One expert on its tokens [m, H] with routing weights [m] -> [m, H], as Megatron's MLP computes
-    it (the weight is applied after the SwiGLU, in fp32 when probs are, then cast back). Under
-    autograd, in fp32 on a CPU, the SwiGLU runs cpu_kernels' one-pass kernels (_SwiGLUExpert)."""
-    if torch.is_grad_enabled() and cpu_kernels_apply(tokens, probs, fc1_weight, fc2_weight):
-        return _SwiGLUExpert.apply(tokens, probs, fc1_weight, fc2_weight)
-    gate, up = few_rows_linear(tokens, fc1_weight).chunk(2, dim=-1)
+    it (the weight is applied after the SwiGLU, in fp32 when probs are, then cast back)."""
+    gate, up = F.linear(tokens, fc1_weight).chunk(2, dim=-1)
     intermediate = F.silu(gate) * up
     intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
-    return few_rows_linear(intermediate, fc2_weight)
-
-
-class _SwiGLUExpert(torch.autograd.Function):
-    """expert_mlp's math with the SwiGLU times the routing weight, and its gradient, each one C++
-    pass (swiglu_forward / swiglu_backward), where autograd ran silu, two products and the split of
-    fc1's output, then their backward passes and a cat (an RL update of the small model on 2 CPU
-    cores: 2.13 vs 2.23 s). The SwiGLU gives torch's ops' bits; the products are matmul.mm's (oneDNN);
-    fp32 on a CPU only."""
-
-    @staticmethod
-    def forward(ctx, tokens, probs, fc1_weight, fc2_weight):
-        probs = probs.contiguous()
-        projected = mm(tokens, fc1_weight.T)  # [m, 2F], [gate | up]
-        weighted = torch.ops.megacispo.swiglu_forward(projected, probs)  # [m, F]
-        ctx.save_for_backward(tokens, probs, fc1_weight, fc2_weight, projected, weighted)
-        return mm(weighted, fc2_weight.T)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        tokens, probs, fc1_weight, fc2_weight, projected, weighted = ctx.saved_tensors
-        grad_weighted = mm(grad_out, fc2_weight)  # a new, contiguous [m, F]
-        grad_projected, grad_probs = torch.ops.megacispo.swiglu_backward(grad_weighted, projected, probs)
-        need_tokens, _, need_fc1, need_fc2 = ctx.needs_input_grad
-        return (
-            mm(grad_projected, fc1_weight) if need_tokens else None,
-            grad_probs,
-            mm(grad_projected.T, tokens) if need_fc1 else None,
-            mm(grad_out.T, weighted) if need_fc2 else None,
-        )
+    return F.linear(intermediate, fc2_weight)
 
 
 def run_experts(
@@ -149,7 +113,7 @@ def decode_experts(
     """The routed experts of a decode step: tokens [b, H], each with its k experts top_experts [b, k]
     and routing weights probs [b, k] -> [b, H], the weighted expert outputs summed per token as
     MoELayer does (expert-major rows in token order, then index_add_). One token runs just its k
-    experts and adds them in ascending expert order: the same float sums. cpu_kernels'
+    experts and adds them in ascending expert order: the same float sums. The CPU layer's
     ``decode_experts_cpu`` computes the same in one C++ call."""
     if tokens.shape[0] == 1:
         experts = top_experts[0].tolist()
@@ -172,12 +136,16 @@ def decode_experts(
     return _sum_per_token(tokens, token_ids, expert_outputs)
 
 
-# Under torch.compile the experts are one op, opaque to the graph: which experts run depends on
-# the router's values, which a graph cannot branch on.
-_decode_experts_op = torch.library.custom_op("megacispo::decode_experts", decode_experts, mutates_args=())
+# The op decode steps call: opaque to torch.compile (which experts run depends on the router's
+# values, which a graph cannot branch on), and a place for a backend's own kernel.
+_LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
+_LIBRARY.define(
+    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor[] fc1_weights, Tensor[] fc2_weights) -> Tensor"
+)
+_LIBRARY.impl("decode_experts", decode_experts, "CompositeExplicitAutograd")
 
 
-@_decode_experts_op.register_fake
+@torch.library.register_fake("megacispo::decode_experts")
 def _(tokens, probs, top_experts, fc1_weights, fc2_weights) -> torch.Tensor:
     return torch.empty_like(tokens)
 
@@ -282,12 +250,7 @@ class InProcessMoELayer(MoELayer):
             return output[0]
         probs, top_experts = self._route_tokens(hidden)  # [b, k] each
         fc1_weights, fc2_weights = self.experts.expert_weights()
-        if cpu_kernels_apply(hidden, probs):
-            return torch.ops.megacispo.decode_experts_cpu(
-                hidden.contiguous(), probs, top_experts, fc1_weights, fc2_weights
-            )
-        experts = _decode_experts_op if torch.compiler.is_compiling() else decode_experts
-        return experts(hidden, probs, top_experts, fc1_weights, fc2_weights)
+        return torch.ops.megacispo.decode_experts(hidden, probs, top_experts, fc1_weights, fc2_weights)
 
     def _routes_in_process(self, intermediate_tensors) -> bool:
         return self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None

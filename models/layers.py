@@ -16,9 +16,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
-from megacispo.models.cpu_kernels import cpu_kernels_apply
-from megacispo.models.matmul import linear, onednn_applies
-
 
 _FP32_OR_WIDER = (torch.float32, torch.float64)
 
@@ -30,28 +27,10 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-# Decoding multiplies this few rows at a time (a batch of sequences, or an expert's share of it).
-FEW_ROWS = 16
-
-
-def few_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [m, in] x weight [out, in] -> [m, out], F.linear without bias, fast for decoding's few rows.
-
-    On a CPU a decode step's products are bound by reading the weights, which torch's products
-    read at 5 to 15 GB/s for 1 to FEW_ROWS rows. fp32 products of that many rows run the C++ kernel
-    of cpu_kernels (each weight row read once, for all the rows): the same sums in another order,
-    and for a row the same bits whatever the other rows. More rows, other dtypes, GPUs, autograd
-    (training keeps the sums of the layers' own products), a non-contiguous weight and a CPU without
-    the kernel take ``matmul.linear`` (oneDNN or F.linear).
-    """
-    if (
-        torch.is_grad_enabled()
-        or not 1 <= rows.shape[0] <= FEW_ROWS
-        or not weight.is_contiguous()
-        or not cpu_kernels_apply(rows, weight)
-    ):
-        return linear(rows, weight)
-    return torch.ops.megacispo.few_rows_linear(rows.contiguous(), weight)
+def parameter_device(config: TransformerConfig) -> torch.device:
+    """Where Megatron-Core's layers create their parameters, and so this project's: the CPU with
+    use_cpu_initialization, else the current device (the local GPU; the CPU under the CPU layer)."""
+    return torch.device("cpu") if config.use_cpu_initialization else torch.device(torch.cuda.current_device())
 
 
 def scalar_operand(value: float, like: torch.Tensor) -> torch.Tensor | float:
@@ -85,27 +64,14 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=parameter_device(config))
+        )
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if _norm_kernel_applies(hidden, self.weight):
-            return torch.ops.megacispo.rms_norm_rows(hidden.contiguous(), self.weight, self.eps)
         wide = at_least_fp32(hidden)
         return _rms_normalize(hidden, wide, _sum_of_squares(wide), hidden.shape[-1], self.eps, self.weight)
-
-
-def _norm_kernel_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a norm runs cpu_kernels' one-call RMSNorm: a decode step's few rows [m, C], eager,
-    without autograd, fp32 on a CPU. The same math, the sum of squares in another order; torch's
-    eight ops took about 9 us a norm, 24 norms a step. Compiled steps fuse torch's ops instead."""
-    return (
-        not torch.is_grad_enabled()
-        and hidden.dim() == 2
-        and 1 <= hidden.shape[0] <= FEW_ROWS
-        and not torch.compiler.is_compiling()
-        and cpu_kernels_apply(hidden, weight)
-    )
 
 
 def _sum_of_squares(wide: torch.Tensor) -> torch.Tensor:
@@ -154,12 +120,12 @@ class TensorParallelRMSNorm(torch.nn.Module):
         self.tp_size = tp_group.size()
         self.hidden_size = hidden_size
         local_size = divide(hidden_size, self.tp_size)
-        self.weight = torch.nn.Parameter(torch.ones(local_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(
+            torch.ones(local_size, dtype=config.params_dtype, device=parameter_device(config))
+        )
         tensor_parallel.set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 and _norm_kernel_applies(hidden, self.weight):
-            return torch.ops.megacispo.rms_norm_rows(hidden.contiguous(), self.weight, self.eps)
         wide = at_least_fp32(hidden)
         sum_squares = _sum_of_squares(wide)
         if self.tp_size > 1:
@@ -173,30 +139,6 @@ class TensorParallelRMSNorm(torch.nn.Module):
         )
 
 
-class _OwnProduct:
-    """Megatron's parallel linear with its product on oneDNN (``matmul.linear``) where oneDNN takes
-    it and the product needs none of Megatron's extras: no sequence-parallel gather, no gradient
-    all-reduce, no fused accumulation into main_grad, no deferred weight gradient, no bias. So the
-    projections of the two builders below at any layout, and the LM head at TP = 1, on CPUs with
-    AVX-512; otherwise Megatron's product runs."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        needs_megatron = kwargs["bias"] is not None or kwargs.get("grad_output_buffer") is not None or any(
-            kwargs[flag] for flag in ("gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel")
-        )
-        if needs_megatron or not onednn_applies(input, weight):
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        return linear(input, weight)
-
-
-class MatmulColumnParallelLinear(_OwnProduct, tensor_parallel.ColumnParallelLinear):
-    """ColumnParallelLinear, its product on oneDNN where _OwnProduct says."""
-
-
-class MatmulRowParallelLinear(_OwnProduct, tensor_parallel.RowParallelLinear):
-    """RowParallelLinear, its product on oneDNN where _OwnProduct says; its reduction stays Megatron's."""
-
-
 def local_column_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
     """A ColumnParallelLinear whose input is already in the tensor-parallel region.
 
@@ -204,7 +146,7 @@ def local_column_parallel_linear(config: TransformerConfig, input_size: int, out
     does the one all-gather (sequence parallel) or copy (its backward all-reduce) for all of them,
     instead of one per projection as a plain ColumnParallelLinear would.
     """
-    projection = MatmulColumnParallelLinear(
+    projection = tensor_parallel.ColumnParallelLinear(
         input_size, output_size, config=config, init_method=config.init_method, bias=False,
         gather_output=False, disable_grad_reduce=True, tp_group=tp_group,
     )
@@ -217,7 +159,7 @@ def local_column_parallel_linear(config: TransformerConfig, input_size: int, out
 def row_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
     """RowParallelLinear from head-split channels back to the hidden size: all-reduce, or
     reduce-scatter along the sequence under sequence parallelism."""
-    return MatmulRowParallelLinear(
+    return tensor_parallel.RowParallelLinear(
         input_size, output_size, config=config, init_method=config.output_layer_init_method, bias=False,
         input_is_parallel=True, skip_bias_add=True, tp_group=tp_group,
     )

@@ -43,8 +43,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megacispo.models.matmul import mm
-
 __all__ = [
     "CHUNK_TOKENS",
     "lightning_attention",
@@ -63,7 +61,7 @@ CHUNK_TOKENS = 1024
 
 
 def lightning_decay_rates(
-    num_heads: int, layer_idx: int, num_layers: int, dtype: torch.dtype = torch.float32
+    num_heads: int, layer_idx: int, num_layers: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Decay rates s_h [num_heads] of one lightning-attention layer, bit-identical to HF in fp32.
 
@@ -76,7 +74,7 @@ def lightning_decay_rates(
     i.e. MODEL.md's 2^(-8 (h+1) / nh) * (1 - l / (L - 1) + 1e-5) with 1e-5 added to the divisor.
     That divisor also defines the single-layer model: num_layers == 1 gives factor 1 + 1e-5, as
     in HF. layer_idx is the index among all layers (softmax layers included). With dtype=float64
-    the same formula is evaluated in fp64.
+    the same formula is evaluated in fp64. The rates are made on ``device``.
     """
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -86,8 +84,8 @@ def lightning_decay_rates(
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     base = 1 / (2 ** (8 / num_heads))
     factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5
-    exponent = torch.arange(1, num_heads + 1, dtype=dtype)
-    return torch.tensor(base, dtype=dtype) ** exponent * torch.tensor(factor, dtype=dtype)
+    exponent = torch.arange(1, num_heads + 1, dtype=dtype, device=device)
+    return torch.tensor(base, dtype=dtype, device=device) ** exponent * torch.tensor(factor, dtype=dtype, device=device)
 
 
 def lightning_attention_reference(
@@ -148,14 +146,7 @@ def lightning_state_step(
     """``lightning_decode_step`` without the checks, with the decay factors exp(-s_h) [h, 1, 1]
     precomputed by ``lightning_step_decay``: the per-token path of a decoder that keeps them."""
     new_state = step_decay * state + k.unsqueeze(-1) * v.unsqueeze(-2)  # [b, h, d, d]
-    if new_state.is_cpu:
-        # A CPU BLAS runs q_t S_t as b * h tiny GEMMs spread over its threads, which wait for each
-        # other when another process holds a core (milliseconds per call); a broadcast product
-        # summed over the key dim needs no thread for one sequence. A GPU reads the state once in
-        # the batched matmul.
-        out = (q.unsqueeze(-1) * new_state).sum(dim=-2)  # [b, h, d]
-    else:
-        out = (q.unsqueeze(-2) @ new_state).squeeze(-2)
+    out = (q.unsqueeze(-2) @ new_state).squeeze(-2)  # [b, h, d]
     return out, new_state
 
 
@@ -317,17 +308,18 @@ class _BlockLayout:
     def build(
         doc_lengths: tuple[int, ...], block_size: int, blocks_per_chunk: int, device: torch.device
     ) -> _BlockLayout:
-        """Cached: every lightning layer of a model step sees the same document lengths."""
-        lengths = torch.tensor(doc_lengths, dtype=torch.long)
+        """Cached: every lightning layer of a model step sees the same document lengths. Built on the
+        host (Python lengths in, a few small index tensors out), then moved to ``device`` once."""
+        lengths = torch.tensor(doc_lengths, dtype=torch.long, device="cpu")
         blocks_per_doc = (lengths + block_size - 1) // block_size
         first_blocks = torch.cumsum(blocks_per_doc, 0) - blocks_per_doc
         first_token_slot = (first_blocks + blocks_per_doc) * block_size - lengths  # slot of each doc's token 0
         doc_starts = torch.cumsum(lengths, 0) - lengths
-        docs = torch.arange(len(doc_lengths))
-        token_slots = torch.arange(sum(doc_lengths)) + torch.repeat_interleave(first_token_slot - doc_starts, lengths)
+        docs = torch.arange(len(doc_lengths), device="cpu")
+        token_slots = torch.arange(sum(doc_lengths), device="cpu") + torch.repeat_interleave(first_token_slot - doc_starts, lengths)
         num_blocks = int(blocks_per_doc.sum())
         slot_doc = torch.repeat_interleave(docs, blocks_per_doc * block_size)
-        slot_positions = torch.arange(num_blocks * block_size) - first_token_slot[slot_doc]
+        slot_positions = torch.arange(num_blocks * block_size, device="cpu") - first_token_slot[slot_doc]
         doc_of_block = torch.repeat_interleave(docs, blocks_per_doc)
         chunks = [
             _build_chunk(first, blocks_per_chunk, token_slots, doc_of_block, block_size, device)
@@ -354,15 +346,15 @@ def _build_chunk(
     num_blocks = min(blocks_per_chunk, len(doc_of_block) - first_block)
     slot_start, slot_end = first_block * block_size, (first_block + num_blocks) * block_size
     # token_slots is increasing, so the chunk's tokens form a contiguous range.
-    token_start, token_end = torch.searchsorted(token_slots, torch.tensor([slot_start, slot_end])).tolist()
+    token_start, token_end = torch.searchsorted(token_slots, torch.tensor([slot_start, slot_end], device="cpu")).tolist()
     docs = doc_of_block[first_block : first_block + num_blocks]  # [G]
-    g = torch.arange(num_blocks)
+    g = torch.arange(num_blocks, device="cpu")  # host-side, as the layout it is built from
     same_doc = docs[:, None] == docs[None, :]  # [G, G]
     lag = g[:, None] - 1 - g[None, :]
     continues_before = first_block > 0 and bool(doc_of_block[first_block - 1] == docs[0])
     after = first_block + num_blocks
     continues_after = after < len(doc_of_block) and bool(doc_of_block[after] == docs[-1])
-    ends_doc = torch.ones(num_blocks, dtype=torch.bool)
+    ends_doc = torch.ones(num_blocks, dtype=torch.bool, device="cpu")
     ends_doc[:-1] = docs[1:] != docs[:-1]
     ends_doc[-1] = not continues_after
     last_in_chunk = torch.where(same_doc, g[None, :], -1).amax(dim=1)  # [G]: last block of g's document here
@@ -472,12 +464,12 @@ def _per_block(factor: torch.Tensor) -> torch.Tensor:
 
 def _intra_scores(q: torch.Tensor, k: torch.Tensor, decays: _BlockDecays) -> torch.Tensor:
     """Decayed causal scores inside each block: (Q K^T) * D, [b, h, G, B, B]."""
-    return mm(q, k.transpose(-1, -2)).mul_(decays.intra)
+    return (q @ k.transpose(-1, -2)).mul_(decays.intra)
 
 
 def _block_key_values(k: torch.Tensor, v: torch.Tensor, decays: _BlockDecays) -> torch.Tensor:
     """Each block's contribution to the state at its end: (K * k_decay)^T V, [b, h, G, d, d]."""
-    return mm((k * decays.key).transpose(-1, -2), v)
+    return (k * decays.key).transpose(-1, -2) @ v
 
 
 def _chunk_states(
@@ -500,7 +492,7 @@ def _forward_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: torch.Tensor, decays: _BlockDecays
 ) -> torch.Tensor:
     """Left product inside each block plus right product with the state entering it."""
-    return mm(_intra_scores(q, k, decays), v) + mm(q * decays.query, states)
+    return _intra_scores(q, k, decays) @ v + (q * decays.query) @ states
 
 
 def _lightning_forward(
@@ -530,7 +522,7 @@ def _lightning_forward(
         out_blocks = _forward_chunk(q_blocks, k_blocks, v_blocks, states, decays)
         if initial_states is not None:
             initial_blocks = initial_states.index_select(2, chunk.block_docs)  # [b, h, G, d, d]
-            out_blocks = out_blocks + mm(q_blocks * _chunk_initial_decay(decays, chunk), initial_blocks)
+            out_blocks = out_blocks + (q_blocks * _chunk_initial_decay(decays, chunk)) @ initial_blocks
         _scatter_chunk(out, out_blocks, chunk)
     if initial_states is not None:
         final_states = final_states + decays.initial_to_final * initial_states
@@ -569,10 +561,10 @@ def _intra_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of out = P V with P = (Q K^T) * D, recomputing P; all [b, h, G, B, d]."""
     scores = _intra_scores(q, k, decays)
-    grad_v = mm(scores.transpose(-1, -2), grad_out)
+    grad_v = scores.transpose(-1, -2) @ grad_out
     del scores
-    grad_scores = mm(grad_out, v.transpose(-1, -2)).mul_(decays.intra)
-    return mm(grad_scores, k), mm(grad_scores.transpose(-1, -2), q), grad_v
+    grad_scores = (grad_out @ v.transpose(-1, -2)).mul_(decays.intra)
+    return grad_scores @ k, grad_scores.transpose(-1, -2) @ q, grad_v
 
 
 def _backward_chunk(
@@ -590,13 +582,13 @@ def _backward_chunk(
     states, _ = _chunk_states(_block_key_values(k, v, decays), entering, decays, chunk)
     grad_q, grad_k, grad_v = _intra_grads(q, k, v, grad_out, decays)
     # Right product: out += (Q * q_decay) S_in, and S_out = exp(-s B) S_in + (K * k_decay)^T V.
-    grad_q += mm(grad_out, states.transpose(-1, -2)) * decays.query
-    grad_entering_direct = mm((q * decays.query).transpose(-1, -2), grad_out)
+    grad_q += (grad_out @ states.transpose(-1, -2)) * decays.query
+    grad_entering_direct = (q * decays.query).transpose(-1, -2) @ grad_out
     grad_leaving, grad_entering_chunk = _chunk_state_grads(
         grad_entering_direct, grad_next_entering, grad_final, decays, chunk
     )
-    grad_k += mm(v, grad_leaving.transpose(-1, -2)) * decays.key
-    grad_v += mm(k * decays.key, grad_leaving)
+    grad_k += (v @ grad_leaving.transpose(-1, -2)) * decays.key
+    grad_v += (k * decays.key) @ grad_leaving
     return grad_q, grad_k, grad_v, grad_entering_chunk
 
 
@@ -625,8 +617,8 @@ def _lightning_backward(
             q_blocks, grad_out_blocks = blocks[0], blocks[3]
             initial_decay = _chunk_initial_decay(decays, chunk)  # [h, G, B, 1]
             initial_blocks = initial_states.index_select(2, chunk.block_docs)  # [b, h, G, d, d]
-            chunk_grads[0] += mm(grad_out_blocks, initial_blocks.transpose(-1, -2)) * initial_decay
-            grad_initial_blocks = mm((q_blocks * initial_decay).transpose(-1, -2), grad_out_blocks)
+            chunk_grads[0] += (grad_out_blocks @ initial_blocks.transpose(-1, -2)) * initial_decay
+            grad_initial_blocks = (q_blocks * initial_decay).transpose(-1, -2) @ grad_out_blocks
             grad_initial.index_add_(2, chunk.block_docs, grad_initial_blocks)
         for grad, chunk_grad in zip((grad_q, grad_k, grad_v), chunk_grads):
             _scatter_chunk(grad, chunk_grad, chunk)

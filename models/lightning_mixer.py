@@ -28,9 +28,9 @@ from megacispo.models.layers import (
     InferenceCache,
     TensorParallelRMSNorm,
     at_least_fp32,
-    few_rows_linear,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
+    parameter_device,
     row_parallel_linear,
 )
 from megacispo.models.lightning import (
@@ -83,7 +83,9 @@ class LightningMixer(MegatronModule):
         self.out_proj = submodules.out_proj(config, width, config.hidden_size, self.tp_group)
 
         # Derived from the layer index, not learned: kept out of the state dict and out of dtype casts.
-        all_rates = lightning_decay_rates(config.num_attention_heads, self.layer_idx, config.num_layers)
+        all_rates = lightning_decay_rates(
+            config.num_attention_heads, self.layer_idx, config.num_layers, device=parameter_device(config)
+        )
         self._decay = all_rates[tp_rank * self.num_local_heads : (tp_rank + 1) * self.num_local_heads].clone()
         self._step_decay: torch.Tensor | None = None
 
@@ -136,14 +138,14 @@ class LightningMixer(MegatronModule):
         plain matmuls on the projections' weights instead of Megatron's linears. The layer's state
         in ``cache`` advances; rotary_pos_cos / _sin are unused (the mixers share one signature)."""
         batch = hidden.shape[0]
-        qkv = F.silu(few_rows_linear(hidden, self.qkv_proj.weight)).reshape(batch, self.num_local_heads, 3 * self.head_dim)
+        qkv = F.silu(F.linear(hidden, self.qkv_proj.weight)).reshape(batch, self.num_local_heads, 3 * self.head_dim)
         q, k, v = at_least_fp32(qkv).split(self.head_dim, dim=-1)  # each [b, heads, d]
         out, cache.lightning_states[self.layer_idx] = lightning_state_step(
             q, k, v, self.step_decay(q.device, q.dtype), cache.lightning_states[self.layer_idx]
         )
         out = out.to(hidden.dtype).reshape(batch, -1)  # [b, heads * d]
-        gate = few_rows_linear(hidden, self.output_gate.weight)
-        return few_rows_linear(torch.sigmoid(gate) * self.norm(out), self.out_proj.weight)
+        gate = F.linear(hidden, self.output_gate.weight)
+        return F.linear(torch.sigmoid(gate) * self.norm(out), self.out_proj.weight)
 
     def _attend(
         self,

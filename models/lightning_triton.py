@@ -303,16 +303,17 @@ class _DocumentBlocks:
     @staticmethod
     @functools.lru_cache(maxsize=64)
     def build(doc_lengths: tuple[int, ...], block_size: int, device: torch.device) -> _DocumentBlocks:
-        """Cached: every lightning layer of a model step sees the same document lengths."""
-        lengths = torch.tensor(doc_lengths, dtype=torch.int64)
+        """Cached: every lightning layer of a model step sees the same document lengths. Built on the
+        host from the Python lengths, then moved to ``device`` once."""
+        lengths = torch.tensor(doc_lengths, dtype=torch.int64, device="cpu")
         blocks_per_doc = (lengths + block_size - 1) // block_size
-        zero = torch.zeros(1, dtype=torch.int64)
+        zero = torch.zeros(1, dtype=torch.int64, device="cpu")
         return _DocumentBlocks(
             block_size=block_size,
             num_blocks=int(blocks_per_doc.sum()),
             cu_seqlens=torch.cat([zero, lengths.cumsum(0)]).to(device=device, dtype=torch.int32),
             cu_blocks=torch.cat([zero, blocks_per_doc.cumsum(0)]).to(device=device, dtype=torch.int32),
-            block_docs=torch.repeat_interleave(torch.arange(len(doc_lengths)), blocks_per_doc).to(
+            block_docs=torch.repeat_interleave(torch.arange(len(doc_lengths), device="cpu"), blocks_per_doc).to(
                 device=device, dtype=torch.int32
             ),
         )

@@ -42,15 +42,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
-from megacispo.models.cpu_kernels import cpu_kernels_available
 from megacispo.models.decoder_layer import block_spec
-from megacispo.models.layers import (
-    InferenceCache,
-    MatmulColumnParallelLinear,
-    RotaryEmbedding,
-    at_least_fp32,
-    few_rows_linear,
-)
+from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32
 from megacispo.parallel.layout import broadcast_from_last_stage
 
 
@@ -98,7 +91,7 @@ class HybridModel(LanguageModule):
             hybrid_config.layer_kind(layer.layer_number - 1) == SOFTMAX for layer in self.decoder.layers
         )
         if post_process:
-            self.output_layer = MatmulColumnParallelLinear(
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, hybrid_config.vocab_size, config=config, init_method=config.init_method,
                 bias=False, gather_output=False, tp_group=self.pg_collection.tp,
             )
@@ -209,7 +202,7 @@ class HybridModel(LanguageModule):
         if self.hybrid_config.fp32_lm_head:
             hidden, weight = at_least_fp32(hidden), at_least_fp32(weight)
         if plain:
-            return few_rows_linear(hidden, weight)
+            return F.linear(hidden, weight)
         logits, _ = self.output_layer(hidden, weight=weight)
         return logits
 
@@ -285,7 +278,8 @@ class HybridModel(LanguageModule):
         batch, length = input_ids.shape
         received = None
         if not self.pre_process:
-            received = torch.empty(length, batch, self.config.hidden_size, dtype=next(self.decoder.parameters()).dtype)
+            like = next(self.decoder.parameters())
+            received = torch.empty(length, batch, self.config.hidden_size, dtype=like.dtype, device=like.device)
             torch.distributed.recv(received, src=torch.distributed.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
         if length == 1 and self._lean_step_applies():
             lean_stage = self._compiled_lean_stage() if compiled else self._lean_stage
@@ -295,7 +289,9 @@ class HybridModel(LanguageModule):
         if not self.post_process:
             next_stage = torch.distributed.get_global_rank(pp_group, pp_rank + 1)
             torch.distributed.send(hidden.contiguous(), dst=next_stage, group=pp_group)
-            logits = torch.empty(batch, 1 if last_only else length, self.vocab_size, dtype=torch.float32)
+            logits = torch.empty(
+                batch, 1 if last_only else length, self.vocab_size, dtype=torch.float32, device=input_ids.device
+            )
         return broadcast_from_last_stage(logits, pp_group)
 
     def _megatron_stage(
@@ -362,7 +358,6 @@ class HybridModel(LanguageModule):
                 "set rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
-            cpu_kernels_available()  # built now, not while the step is traced
             self._compiled_lean = torch.compile(self._lean_stage, options={"guard_filter_fn": _lean_step_guards})
         return self._compiled_lean
 

@@ -19,7 +19,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megacispo.models.layers import (
     InferenceCache,
     apply_rotary,
-    few_rows_linear,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
     row_parallel_linear,
@@ -107,16 +106,16 @@ class SoftmaxAttention(MegatronModule):
         weights instead of Megatron's linears. rotary_pos_cos / _sin [b, 1, rotary_dim] at the
         token's position; its key and value are appended to ``cache`` (whose valid_mask covers it)."""
         batch = hidden.shape[0]
-        q = few_rows_linear(hidden, self.q_proj.weight).reshape(batch, self.num_local_heads, 1, self.head_dim)
-        k = few_rows_linear(hidden, self.k_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
-        v = few_rows_linear(hidden, self.v_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
+        q = F.linear(hidden, self.q_proj.weight).reshape(batch, self.num_local_heads, 1, self.head_dim)
+        k = F.linear(hidden, self.k_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
+        v = F.linear(hidden, self.v_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
         q, k = apply_rotary(q, rotary_pos_cos, rotary_pos_sin), apply_rotary(k, rotary_pos_cos, rotary_pos_sin)
         k, v = cache.extend_kv(self.layer_idx, k, v)  # [b, kv heads, T, d]
         # The newest position sees every earlier one: only pad keys need a mask (the same booleans as
         # _padded_causal_mask's last row, since the token itself is valid).
         mask = cache.valid_mask[:, None, None, :] if cache.has_padding else None
         out = self._attend(q, k, v, mask, causal=False)  # [b, heads, 1, d]
-        return few_rows_linear(out.reshape(batch, -1), self.o_proj.weight)
+        return F.linear(out.reshape(batch, -1), self.o_proj.weight)
 
     def _heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[s, b, heads * d] -> [b, heads, s, d]."""

@@ -4,7 +4,7 @@ Megatron-Core's model-parallel state from torchrun's environment."""
 from __future__ import annotations
 
 import datetime
-import importlib.util
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -114,20 +114,22 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(parallel: ParallelConfig, seed: int) -> None:
-    """Start torch.distributed from torchrun's environment (NCCL with CUDA, gloo without) and
-    Megatron-Core's model-parallel state. A plain ``python`` start runs as a world of one."""
+def init_distributed(parallel: ParallelConfig, seed: int) -> torch.device:
+    """Start torch.distributed from torchrun's environment and Megatron-Core's model-parallel state;
+    return the run's device (``run_device``). With CUDA: NCCL and the local GPU (LOCAL_RANK).
+    Without: gloo and the CPU, after the CPU layer (``megacispo.parallel.cpu.enable``) has made
+    Megatron-Core run there. A plain ``python`` start runs as a world of one."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megacispo.parallel import cpu_backend
-
+    bind_missing_te_names()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if importlib.util.find_spec("transformer_engine") is None:
-            cpu_backend.bind_missing_te_names()
     else:
-        cpu_backend.apply()
+        # The one place the CPU layer is entered; a GPU run never imports it.
+        from megacispo.parallel import cpu
+
+        cpu.enable()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -148,6 +150,24 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
         distributed_timeout_minutes=parallel.distributed_timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return run_device()
+
+
+def bind_missing_te_names() -> None:
+    """Megatron-Core's moe_utils.py:1192 reads ``te_general_gemm``, which is undefined when Transformer
+    Engine is absent (on any device): bind it to None so the router falls back to torch's matmul."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def run_device() -> torch.device:
+    """The one device of this run, which every tensor of the model and the driver lives on: the
+    local GPU when torch.distributed runs on NCCL, the CPU when it runs on gloo (or is not started).
+    Collectives of either backend take tensors on it."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_from_last_stage(tensor: torch.Tensor, pp_group) -> torch.Tensor:

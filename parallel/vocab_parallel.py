@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megacispo.models.matmul import addmm_, mm
 
 # The fused head computes about this many bytes of fp32 logits at a time, per rank. On a CPU a tile
 # that stays in the last-level cache makes the exp, the gradient and both matmuls of the backward
@@ -348,7 +347,7 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
             chunk_hidden = hidden[rows].to(compute_dtype)
             stats = None
             for columns in _chunks(weight.shape[0], tile[1]):
-                logits = mm(chunk_hidden, compute_weight[columns].T)  # [token chunk, vocabulary chunk]
+                logits = chunk_hidden @ compute_weight[columns].T  # [token chunk, vocabulary chunk]
                 if ctx.kept_logits is not None:
                     ctx.kept_logits.append(logits)
                 targets, in_columns = _columns_targets(local_targets[rows], owned[rows], columns)
@@ -380,15 +379,15 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
             for row_index, rows in enumerate(row_chunks):
                 chunk_hidden = hidden[rows].to(compute_dtype)  # [token chunk, H]
                 if ctx.kept_logits is None:
-                    logits = mm(chunk_hidden, chunk_weight.T)
+                    logits = chunk_hidden @ chunk_weight.T
                 else:  # kept in the forward's order, token chunks outermost
                     logits = ctx.kept_logits[row_index * len(column_chunks) + column_index]
                 targets, in_columns = _columns_targets(local_targets[rows], owned[rows], columns)
                 grad_logits = _grad_of_logits(logits, logsumexp[rows], targets, in_columns, grad_logprobs[rows])
                 if need_hidden:
-                    addmm_(grad_hidden[rows], grad_logits, chunk_weight)
+                    grad_hidden[rows].addmm_(grad_logits, chunk_weight)
                 if need_weight:
-                    addmm_(grad_weight[columns], grad_logits.T, chunk_hidden)
+                    grad_weight[columns].addmm_(grad_logits.T, chunk_hidden)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),

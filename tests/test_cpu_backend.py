@@ -23,7 +23,7 @@ def _code_constants(code) -> set:
 
 
 def _check_source_patches() -> list[str]:
-    from megacispo.parallel import cpu_backend
+    from megacispo.parallel.cpu import megatron as cpu_backend
 
     originals = {}
     for patch in cpu_backend.SOURCE_PATCHES:
@@ -69,7 +69,7 @@ def _unpermute_results(unpermute, generator: torch.Generator) -> list[tuple[torc
 
 
 def _check_unpermute_patch() -> dict:
-    from megacispo.parallel import cpu_backend
+    from megacispo.parallel.cpu import megatron as cpu_backend
 
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     upstream = moe_utils.unpermute
@@ -177,7 +177,7 @@ def test_runtime_patches_work_on_cpu():
 def _apply_with_cuda_present() -> dict:
     import megatron.core.transformer.utils as utils
 
-    from megacispo.parallel import cpu_backend
+    from megacispo.parallel.cpu import megatron as cpu_backend
 
     current_device = torch.cuda.current_device
     mask_fn = utils.get_default_causal_mask
@@ -196,7 +196,7 @@ def test_nothing_is_patched_when_cuda_is_present():
 
 
 def test_upstream_change_fails_loudly():
-    from megacispo.parallel import cpu_backend
+    from megacispo.parallel.cpu import megatron as cpu_backend
 
     patch = cpu_backend.SourcePatch("megacispo.parallel.multiprocess", "find_free_port",
                                     (("device='cuda'", "device='cpu'"),), "test")

@@ -11,8 +11,9 @@ import torch
 
 from megacispo.parallel.multiprocess import run_distributed
 
-# Largest difference relative to the values' scale (at least 1): Megatron's linears multiply on
-# torch's BLAS, ours on oneDNN (models/matmul.py), the same sums in another order.
+# Largest difference relative to the values' scale (at least 1): the two sides' products may take
+# different kernels (parallel/cpu/csrc/cpu_gemm.cpp picks by the number of rows), the same sums in
+# another order.
 TOLERANCE = 1e-6
 # Tokens per local expert of the tiny model (4 experts): idle experts first, in the middle and
 # last, one expert with everything, and no tokens at all.

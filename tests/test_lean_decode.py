@@ -2,7 +2,7 @@
 linears and router, through each module's ``step``) computes what the Megatron path computes, on the
 same model: teacher-forced decode steps after a left-padded prefill give the same logits at every
 step (within 3e-5 of the logits' scale in fp32, 1e-12 in fp64: batches of up to 16 rows take their
-matmuls in another summation order, few_rows_linear), for a padded batch (the MoE's grouped path, masked attention, a
+matmuls in another summation order: the CPU layer's few-rows kernel), for a padded batch (the MoE's grouped path, masked attention, a
 ``cache.select`` midway) and a single sequence (the one-token MoE path, no mask); greedy rollouts
 through megacispo.rollout.generate give the same tokens and log-probs. The lean path is really
 taken: TransformerBlock.forward is not called during its decode steps. Runs in a gloo world of one;

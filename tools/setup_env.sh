@@ -22,9 +22,9 @@ if ! { "$repo/.venv/bin/python" -m pip install --quiet --upgrade pip \
     exit 1
 fi
 rm -f "$log"
-# Builds the CPU decode kernels now (models/cpu_kernels.py; cached), not at the first rollout.
+# Builds the CPU kernels now (parallel/cpu/kernels.py; cached), not at the first run.
 PYTHONWARNINGS=ignore "$repo/.venv/bin/python" -c "
 import megacispo, megatron.core, torch
-from megacispo.models.cpu_kernels import cpu_kernels_available
-kernels = 'built' if cpu_kernels_available() else 'NOT built (needs g++ and AVX2): decoding runs torch ops, slower'
-print(f'megacispo environment ready: torch {torch.__version__}, CPU decode kernels {kernels}')"
+from megacispo.parallel.cpu import kernels_available
+kernels = 'built' if kernels_available() else 'NOT built (needs g++ and AVX2): torch runs its own CPU kernels, slower'
+print(f'megacispo environment ready: torch {torch.__version__}, CPU kernels {kernels}')"

@@ -1,9 +1,10 @@
-// The CPU decode step's kernels (fp32, AVX2 + FMA), built by models/cpu_kernels.py:
+// The CPU decode step's kernels (fp32, AVX2 + FMA), built by parallel/cpu/kernels.py:
 //
-//   megacispo::few_rows_linear(rows [m, K], weight [N, K]) -> [m, N]   F.linear, for m <= 16 rows
+//   megacispo::few_rows_product(rows [m, K], weight [N, K]) -> [m, N]   rows @ weight.T, m <= 16;
+//       cpu_gemm.cpp sends torch's products of so few rows here
 //   megacispo::decode_experts_cpu(tokens [b, H], probs [b, k], top_experts [b, k],
-//                                 fc1_weights, fc2_weights) -> [b, H]  one MoE layer's routed experts
-//   megacispo::rms_norm_rows(rows [m, C], weight [C], eps) -> [m, C]   RMSNorm, for m <= 16 rows
+//                                 fc1_weights, fc2_weights) -> [b, H]  one MoE layer's routed experts,
+//       the fp32 CPU kernel of models/experts.py's op megacispo::decode_experts
 //
 // A decode step's products have few rows and are bound by reading the weights, which MKL's sgemm
 // reads at 5-15 GB/s for 2 to 16 rows on the AMD CPUs we measured (its packing and blocking are
@@ -32,7 +33,6 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;
 constexpr int kRowTile = 8;
 // Weight rows per thread at least: a smaller weight is not worth waking a second thread.
 constexpr int64_t kGrainRows = 32;
@@ -101,23 +101,6 @@ void check_fp32_contiguous(const at::Tensor& tensor, const char* op, const char*
   TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.is_contiguous() && tensor.device().is_cpu(), op,
               ": ", name, " must be a contiguous fp32 CPU tensor, got ", tensor.scalar_type(), " ", tensor.sizes(),
               " strides ", tensor.strides());
-}
-
-at::Tensor few_rows_linear(const at::Tensor& rows, const at::Tensor& weight) {
-  check_fp32_contiguous(rows, "few_rows_linear", "rows");
-  check_fp32_contiguous(weight, "few_rows_linear", "weight");
-  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1),
-              "few_rows_linear: rows [m, K] and weight [N, K], got ", rows.sizes(), " and ", weight.sizes());
-  const int64_t num_rows = rows.size(0), in_features = rows.size(1), out_features = weight.size(0);
-  TORCH_CHECK(num_rows >= 1 && num_rows <= kMaxRows, "few_rows_linear: 1 to ", kMaxRows, " rows, got ", num_rows);
-  at::Tensor out = at::empty({num_rows, out_features}, rows.options());
-  const float* x = rows.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, out_features, kGrainRows, [&](int64_t j_begin, int64_t j_end) {
-    dot_rows(x, num_rows, w, o, in_features, out_features, j_begin, j_end);
-  });
-  return out;
 }
 
 // The products of the experts that have rows, in one parallel region: expert e multiplies its
@@ -222,47 +205,37 @@ at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, con
   return out;
 }
 
-// weight * (x * (1 / sqrt(sum(x^2) / C + eps))) per row, as layers.RMSNorm computes it, in one call
-// where torch runs eight ops (about 9 us a norm, 24 norms a decode step); the sum of squares in the
-// order of the dot products above.
-at::Tensor rms_norm_rows(const at::Tensor& rows, const at::Tensor& weight, double eps) {
-  check_fp32_contiguous(rows, "rms_norm_rows", "rows");
-  check_fp32_contiguous(weight, "rms_norm_rows", "weight");
-  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 1 && rows.size(1) == weight.size(0),
-              "rms_norm_rows: rows [m, C] and weight [C], got ", rows.sizes(), " and ", weight.sizes());
-  const int64_t num_rows = rows.size(0), channels = rows.size(1);
-  TORCH_CHECK(num_rows <= kMaxRows, "rms_norm_rows: at most ", kMaxRows, " rows, got ", num_rows);
-  at::Tensor out = at::empty_like(rows);
+}  // namespace
+
+namespace megacispo {
+
+constexpr int64_t kFewRows = 16;
+
+at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight) {
+  check_fp32_contiguous(rows, "few_rows_product", "rows");
+  check_fp32_contiguous(weight, "few_rows_product", "weight");
+  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1),
+              "few_rows_product: rows [m, K] and weight [N, K], got ", rows.sizes(), " and ", weight.sizes());
+  const int64_t num_rows = rows.size(0), in_features = rows.size(1), out_features = weight.size(0);
+  TORCH_CHECK(num_rows >= 1 && num_rows <= kFewRows, "few_rows_product: 1 to ", kFewRows, " rows, got ", num_rows);
+  at::Tensor out = at::empty({num_rows, out_features}, rows.options());
+  const float* x = rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const float* x = rows.data_ptr<float>() + r * channels;
-    float* o = out.data_ptr<float>() + r * channels;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 8 <= channels; c += 8) {
-      const __m256 xc = _mm256_loadu_ps(x + c);
-      acc = _mm256_fmadd_ps(xc, xc, acc);
-    }
-    float sum_squares = hsum(acc);
-    for (int64_t t = c; t < channels; ++t) sum_squares += x[t] * x[t];
-    const float inverse_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(channels) + static_cast<float>(eps));
-    for (int64_t t = 0; t < channels; ++t) o[t] = w[t] * (x[t] * inverse_rms);
-  }
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, out_features, kGrainRows, [&](int64_t j_begin, int64_t j_end) {
+    dot_rows(x, num_rows, w, o, in_features, out_features, j_begin, j_end);
+  });
   return out;
 }
 
-}  // namespace
+}  // namespace megacispo
 
 // A fragment: the megacispo namespace also holds ops defined from Python (models/experts.py).
 TORCH_LIBRARY_FRAGMENT(megacispo, m) {
-  m.def("few_rows_linear(Tensor rows, Tensor weight) -> Tensor");
   m.def("decode_experts_cpu(Tensor tokens, Tensor probs, Tensor top_experts, Tensor[] fc1_weights, "
         "Tensor[] fc2_weights) -> Tensor");
-  m.def("rms_norm_rows(Tensor rows, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megacispo, CPU, m) {
-  m.impl("few_rows_linear", &few_rows_linear);
   m.impl("decode_experts_cpu", &decode_experts);
-  m.impl("rms_norm_rows", &rms_norm_rows);
 }

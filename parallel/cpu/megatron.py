@@ -195,14 +195,6 @@ def _patch_single_rank_collectives() -> None:
     buffers.dist_reduce_scatter_func = _in_place_over_one_rank(buffers.dist_reduce_scatter_func)
 
 
-def bind_missing_te_names() -> None:
-    """moe_utils.py:1192 reads ``te_general_gemm``, which is undefined when Transformer Engine is
-    absent (also on GPU): bind it to None so the router falls back to torch's matmul."""
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _resolve(module_name: str, qualname: str):
     owner = importlib.import_module(module_name)
     *path, name = qualname.split(".")
@@ -257,7 +249,6 @@ def apply() -> bool:
         return True
     _patch_torch_cuda()
     _patch_rng_tracker()
-    bind_missing_te_names()
     _patch_moe_helpers()
     _patch_single_rank_collectives()
     for patch in SOURCE_PATCHES:

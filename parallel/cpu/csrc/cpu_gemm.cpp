@@ -1,0 +1,164 @@
+// torch's fp32 CPU products (aten::mm, addmm, addmm_, bmm) replaced, at the CPU dispatch key, by
+// faster kernels for the shapes this project multiplies; built by parallel/cpu/kernels.py and
+// switched on by megacispo.parallel.cpu.enable():
+//
+//   - 1 to 16 rows times a weight (a @ weight.T, weight contiguous [n, k]): cpu_decode.cpp's
+//     few_rows_product, which reads each weight row once for all the rows. A decode step's
+//     products are bound by reading the weights, which MKL reads at 5-15 GB/s for so few rows.
+//   - One row per batch entry (bmm [B, 1, k] x [B, k, n], lightning attention's q_t S_t in a decode
+//     step): a broadcast product summed over k. MKL runs these B tiny GEMMs over its threads, which
+//     wait for each other (milliseconds a call) when another process holds a core.
+//   - Everything else in fp32 with contiguous or transposed operands: oneDNN (torch's own build of
+//     it), where it takes fp32, i.e. on CPUs with AVX-512. MKL runs no AVX-512 code on AMD CPUs;
+//     oneDNN multiplied about twice as fast on this project's 2-core AMD EPYC VM (docs/cpu.md).
+//   - All the rest (other dtypes, other layouts, empty products): torch's own CPU kernels.
+//
+// Model code therefore multiplies with `@`, F.linear and Megatron's linears, unchanged, on every
+// device; their autograd formulas call these ops too, so backward passes take the same kernels.
+// The sums are the same products in another order: results agree with torch's to fp32 rounding.
+//
+// ATen does not install the header of at::native::mkldnn_matmul, so it is declared here; the pinned
+// torch exports it.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/bmm_cpu_dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <optional>
+
+namespace at::native {
+// result = beta * result + alpha * (mat1 @ mat2), 2-D or batched 3-D.
+TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result,
+                             float beta, float alpha);
+}  // namespace at::native
+
+namespace megacispo {
+// cpu_decode.cpp: rows [m, k] (m <= kFewRows) x weight [n, k]^T -> [m, n].
+at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight);
+constexpr int64_t kFewRows = 16;
+}  // namespace megacispo
+
+namespace {
+
+bool onednn_enabled = false;
+std::unique_ptr<torch::Library> registrations;
+
+bool fp32(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
+}
+
+// oneDNN reads a contiguous operand or a transposed view (the last two dimensions swapped) as it is.
+bool plain_or_transposed(const at::Tensor& t) {
+  return t.is_contiguous() || t.transpose(-1, -2).is_contiguous();
+}
+
+bool few_rows_take(const at::Tensor& a, const at::Tensor& b) {
+  return fp32(a, b) && a.size(0) >= 1 && a.size(0) <= megacispo::kFewRows && a.size(1) > 0 &&
+         b.t().is_contiguous();
+}
+
+// Not for empty products: oneDNN has none (k = 0 is a sum of nothing).
+bool onednn_takes(const at::Tensor& a, const at::Tensor& b) {
+  return onednn_enabled && fp32(a, b) && a.numel() > 0 && b.numel() > 0 && plain_or_transposed(a) &&
+         plain_or_transposed(b);
+}
+
+at::Tensor onednn_product(const at::Tensor& a, const at::Tensor& b) {
+  std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
+  shape.back() = b.size(-1);
+  at::Tensor out = at::empty(shape, a.options());
+  at::native::mkldnn_matmul(a, b, out, /*beta=*/0.0f, /*alpha=*/1.0f);
+  return out;
+}
+
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+  if (few_rows_take(a, b)) {
+    return megacispo::few_rows_product(a.contiguous(), b.t());
+  }
+  if (onednn_takes(a, b)) {
+    return onednn_product(a, b);
+  }
+  return at::cpu::mm(a, b);
+}
+
+at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
+  if (fp32(a, b) && a.size(1) == 1) {
+    return a.transpose(1, 2).mul(b).sum(1, /*keepdim=*/true);
+  }
+  if (onednn_takes(a, b)) {
+    return onednn_product(a, b);
+  }
+  return at::cpu::bmm(a, b);
+}
+
+// In place into a contiguous fp32 output (the fused LM head's hand-written backward accumulates
+// its gradient tiles so); oneDNN applies beta and alpha itself.
+at::Tensor& addmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b, const at::Scalar& beta,
+                   const at::Scalar& alpha) {
+  if (onednn_takes(a, b) && self.scalar_type() == at::kFloat && self.is_contiguous() && self.dim() == 2) {
+    at::native::mkldnn_matmul(a, b, self, beta.to<float>(), alpha.to<float>());
+    return self;
+  }
+  return at::cpu::addmm_(self, a, b, beta, alpha);
+}
+
+at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b, const at::Scalar& beta,
+                 const at::Scalar& alpha) {
+  if (onednn_takes(a, b) && self.scalar_type() == at::kFloat) {
+    at::Tensor out = self.expand({a.size(0), b.size(1)}).contiguous();
+    at::native::mkldnn_matmul(a, b, out, beta.to<float>(), alpha.to<float>());
+    return out;
+  }
+  return at::cpu::addmm(self, a, b, beta, alpha);
+}
+
+// oneDNN refuses fp32 products on CPUs without AVX-512 (or AVX-NE-CONVERT): tried once on small
+// integers, exact in any order.
+bool onednn_takes_fp32() {
+  at::Tensor a = at::arange(12, at::kFloat).view({3, 4});
+  try {
+    at::Tensor product = onednn_product(a, a.t());
+    return product.equal(at::cpu::mm(a, a.t()));
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+// Overriding aten's CPU kernels is what this is for: torch's one-time warning about it says
+// nothing the user can act on.
+class QuietWarnings : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning&) override {}
+};
+
+// Returns whether the dense products run on oneDNN.
+bool enable_cpu_products() {
+  if (!registrations) {
+    onednn_enabled = onednn_takes_fp32();
+    QuietWarnings quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    registrations = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                                     std::make_optional(c10::DispatchKey::CPU), __FILE__, __LINE__);
+    registrations->impl("mm", &mm);
+    registrations->impl("bmm", &bmm);
+    registrations->impl("addmm", &addmm);
+    registrations->impl("addmm_", &addmm_);
+  }
+  return onednn_enabled;
+}
+
+// Back to torch's own kernels (a benchmark's peer runs on them).
+void disable_cpu_products() { registrations.reset(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megacispo, m) {
+  m.def("enable_cpu_products() -> bool", &enable_cpu_products);
+  m.def("disable_cpu_products() -> ()", &disable_cpu_products);
+}

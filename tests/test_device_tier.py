@@ -1,0 +1,477 @@
+"""The device tier: a tensor that a GPU run would hold in host memory by mistake (a factory call
+without ``device=``, a ``.cpu()``, a generator made without a device, a host tensor handed to a
+collective) is caught on this CPU-only machine, before the first GPU step would crash on it.
+
+Two checks, because the CPU is both the run's device and host memory here:
+
+- The driver under ``device_guard.host_memory_guard`` (tests/device_guard.py): the run's device
+  stays the CPU, what a GPU run would put in host memory is marked, and an op that meets marked and
+  unmarked tensors raises DeviceMismatch. Real values flow, so the whole driver runs, data-dependent
+  control flow included: an RL step of the Trainer (rollouts through ``generate``: prefill, lean
+  decode steps, sampling with top-k / top-p, early truncation, rewards, overlong shaping, advantages;
+  the old-log-prob pass; the update with ``Engine.token_logprobs``, ``compute_policy_loss``,
+  Megatron's forward and backward at TP = 1 and the optimizer step; metrics and their collectives),
+  greedy evaluation, decode steps through Megatron's modules (``lean_decode = False``), score's
+  forward, and one SFT step (``megacispo.sft.main``, its checkpoint included). Each planted host
+  tensor (a wrapper that adds a host zero to, or ``.cpu()``-s, one function's output in one path)
+  is caught.
+- Pure tensor math on the ``meta`` device, where any CPU tensor, even one made with an explicit
+  ``device="cpu"`` that the guard cannot tell from the run's device, fails on contact: the policy
+  loss, the vocab-parallel log-probs and the fused LM head (forward and backward), RMSNorm, RoPE and
+  the lightning decode step.
+
+Not covered: TP, PP and EP > 1 (their collectives and p2p sends), Transformer Engine and FP8, the
+Triton lightning kernel and anything under torch.compile (compiled decode steps), checkpoint loading
+and resharding, score's checkpoint conversion and file I/O, and the block-wise lightning kernel on
+``meta`` (its decay check reads values). The guard does not see tensors made with an explicit
+``device="cpu"`` (or ``.to("cpu")``) outside the meta-checked math, tensors made outside torch's
+Python API (``torch.from_numpy``, ``torch.LongTensor(...)``), nor host tensors that Megatron-Core
+or torch make themselves (they are outside its scope by design, see ``host_memory_guard``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from device_guard import DeviceMismatch, host_memory_guard
+from megacispo.parallel.multiprocess import run_distributed
+
+# This module's own calls are in the guard's scope too: the planted mistakes are made here.
+SCOPE = ("megacispo", __name__)
+MISMATCH = "DeviceMismatch"
+
+
+# ---------------------------------------------------------------------------------------------
+# The guard on single ops
+
+
+def _host_zero_added(t: torch.Tensor) -> torch.Tensor:
+    return t + torch.zeros(())
+
+
+def _host_copy_used(t: torch.Tensor) -> torch.Tensor:
+    return t * t.cpu()
+
+
+def _host_index(t: torch.Tensor) -> torch.Tensor:
+    return t.index_select(0, torch.tensor([0]))
+
+
+def _host_generator(t: torch.Tensor) -> torch.Tensor:
+    return torch.multinomial(t.abs() + 1, 1, generator=torch.Generator().manual_seed(0))
+
+
+class _BackwardMakesHostTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.ones(grad.shape)
+
+
+def _host_tensor_in_backward(t: torch.Tensor) -> None:
+    _BackwardMakesHostTensor.apply(t.detach().requires_grad_()).sum().backward()
+
+
+MISPLACEMENTS = [_host_zero_added, _host_copy_used, _host_index, _host_generator, _host_tensor_in_backward]
+
+
+@pytest.mark.parametrize("misplacement", MISPLACEMENTS, ids=lambda f: f.__name__)
+def test_guard_catches_each_misplacement(misplacement):
+    tensor = torch.randn(4)
+    with host_memory_guard(SCOPE), pytest.raises(DeviceMismatch):
+        misplacement(tensor)
+
+
+def _collective_outcome() -> str:
+    torch.distributed.init_process_group("gloo")
+    with host_memory_guard(SCOPE):
+        return _outcome(lambda: torch.distributed.all_reduce(torch.zeros(2)))
+
+
+def test_guard_catches_a_host_tensor_in_a_collective():
+    (outcome,) = run_distributed(_collective_outcome, 1)
+    assert outcome.startswith(MISMATCH), outcome
+
+
+def test_guard_lets_host_bookkeeping_and_explicit_transfers_run():
+    tensor = torch.randn(4)
+    with host_memory_guard(SCOPE):
+        counts = torch.tensor([1, 2, 3])
+        assert counts.sum().item() == 6 and counts.tolist() == [1, 2, 3]  # host-only use, as on a GPU run
+        moved = torch.zeros(4).to(tensor.device) + tensor
+        on_device = torch.zeros(4, device=tensor.device) + torch.zeros_like(tensor) + tensor.new_ones(4)
+        tensor.clone().copy_(torch.ones(4))
+        drawn = torch.multinomial(tensor.abs() + 1, 1, generator=torch.Generator(device=tensor.device))
+    assert type(moved) is type(on_device) is type(drawn) is torch.Tensor
+
+
+def test_guard_leaves_upstream_host_tensors_unmarked():
+    """Megatron-Core and torch keep some tensors on the host on a GPU run too; only code in scope is checked."""
+    tensor = torch.randn(4)
+    with host_memory_guard(("megacispo",)):
+        assert type(torch.zeros(4) + tensor) is torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# The RL driver under the guard, in a world of one
+
+
+class _CharTokenizer:
+    """Enough of megacispo.tokenizer.Tokenizer for the Trainer, without training a sentencepiece model."""
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + ord(character) % 500 for character in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - 3) for i in ids if i >= 3)
+
+
+def _rl_config(run_dir: str):
+    from megacispo.config import Config, RLConfig, RolloutConfig, TrainConfig
+
+    # Every sampling branch (top-k, top-p, early truncation after 3 tokens of any probability) and
+    # overlong shaping; one round of 2 prompts x 2 samples, updated in 2 micro-batches.
+    rollout = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=4, top_k=50, top_p=0.9,
+                            early_truncation_tokens=3, early_truncation_prob=0.0, dynamic_sampling=False)
+    rl = RLConfig(updates_per_rollout=1, overlong_max_length=3, overlong_cache_length=1)
+    return Config(rollout=rollout, rl=rl, train=TrainConfig(micro_batch_size=2, run_dir=run_dir))
+
+
+def _build_trainer(run_dir: str):
+    from megacispo.data import PromptRecord
+    from megacispo.engine import Engine
+    from megacispo.metrics import MetricsLogger
+    from megacispo.parallel.layout import init_distributed
+    from megacispo.trainer import Trainer
+
+    config = _rl_config(run_dir)
+    init_distributed(config.parallel, config.train.seed)
+    engine = Engine(config, total_steps=4, peak_lr=1e-3)
+    records = [PromptRecord(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in range(4)]
+    return Trainer(config, engine, _CharTokenizer(), records, records[:2], MetricsLogger(run_dir, enabled=False))
+
+
+def _megatron_decode(trainer) -> None:
+    from megacispo.rollout import generate
+
+    model = trainer.engine.module
+    model.lean_decode = False
+    try:
+        generate(model, [[1, 5, 6, 7], [1, 8]], trainer.config.rollout, eos_id=2, pad_id=0,
+                 generator=trainer._generator(), lockstep_group=trainer.engine.dp_group)
+    finally:
+        model.lean_decode = True
+
+
+def _score_forward(trainer) -> None:
+    from megacispo.score import _sequence_logprobs
+
+    model = trainer.engine.module.eval()
+    try:
+        _sequence_logprobs(model, [1, 5, 6, 7, 8], trainer.engine.tp_group)
+    finally:
+        model.train()
+
+
+def _rl_scenarios(trainer) -> dict:
+    """Each path of the RL driver, as a function of no arguments; the later phases reuse the batch
+    of the clean rollout (``state``)."""
+    state = {}
+
+    def rollout():
+        state["batch"], _ = trainer.collect_rollouts()
+
+    def old_logprobs():
+        state["batch"].old_logprobs = trainer.compute_old_logprobs(state["batch"])
+
+    return {
+        "rollout": rollout,
+        "old_logprobs": old_logprobs,
+        "update": lambda: trainer.update(state["batch"]),
+        "rl_step": trainer.rl_step,
+        "evaluate": trainer.evaluate,
+        "megatron_decode": lambda: _megatron_decode(trainer),
+        "score_forward": lambda: _score_forward(trainer),
+    }
+
+
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _with_mistake(function, mistake):
+    """``function`` whose (first) tensor output goes through ``mistake`` before it is returned."""
+
+    def planted(*args, **kwargs):
+        result = function(*args, **kwargs)
+        if isinstance(result, torch.Tensor):
+            return mistake(result)
+        first = next(i for i, value in enumerate(result) if isinstance(value, torch.Tensor))
+        return (*result[:first], mistake(result[first]), *result[first + 1 :])
+
+    return planted
+
+
+def _planted(owner, name: str, mistake=_host_zero_added):
+    function = getattr(owner, name)
+    value = staticmethod(_with_mistake(function, mistake)) if isinstance(owner.__dict__[name], staticmethod) else (
+        _with_mistake(function, mistake))
+    return _replaced(owner, name, value)
+
+
+def _all_finished_with_host_flag(finished, group) -> bool:
+    flag = torch.tensor(int(finished.all()))  # the mistake: no device=, then a collective
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag)
+
+
+def _generator_on_host(trainer) -> torch.Generator:
+    return torch.Generator().manual_seed(0)  # the mistake: no device=
+
+
+def _rl_plants() -> dict:
+    """name: (the scenario it runs, the plant). Each plant makes one host tensor in one path."""
+    import megacispo.engine
+    import megacispo.models.lightning_mixer
+    import megacispo.parallel.vocab_parallel
+    import megacispo.rollout
+    import megacispo.trainer
+    from megacispo.engine import Engine
+    from megacispo.models.lightning import _LightningAttentionFunction
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.vocab_parallel import _FusedLMHeadLogProbs
+    from megacispo.trainer import Trainer
+
+    mixer = megacispo.models.lightning_mixer
+    return {
+        "prefill": ("rollout", _planted(HybridModel, "_megatron_stage")),
+        "lean_decode_step": ("rollout", _planted(HybridModel, "_lean_stage")),
+        "megatron_decode_step": ("megatron_decode", _planted(mixer, "lightning_state_step")),
+        "sampling_generator": ("rollout", _replaced(Trainer, "_generator", _generator_on_host)),
+        "rollout_collective": ("rollout", _replaced(megacispo.rollout, "_all_finished", _all_finished_with_host_flag)),
+        "advantages": ("rollout", _planted(megacispo.trainer, "group_relative_advantages")),
+        "old_logprobs_pass": ("old_logprobs", _planted(megacispo.trainer, "broadcast_from_last_stage")),
+        "training_forward": ("update", _planted(mixer, "lightning_attention")),
+        "lightning_backward": ("update", _planted(_LightningAttentionFunction, "backward")),
+        "lm_head_backward": ("update", _planted(_FusedLMHeadLogProbs, "backward")),
+        "token_logprobs": ("update", _planted(megacispo.engine, "lm_head_logprobs")),
+        "token_logprobs_moved_to_host": ("update", _planted(Engine, "token_logprobs", torch.Tensor.cpu)),
+        "policy_loss": ("update", _planted(megacispo.trainer, "compute_policy_loss")),
+        "score_forward": ("score_forward", _planted(megacispo.parallel.vocab_parallel, "vocab_parallel_logprobs")),
+    }
+
+
+def _outcome(run) -> str:
+    """'ok', or the error a run raised: 'DeviceMismatch: ...' or another error with its traceback."""
+    try:
+        run()
+    except DeviceMismatch as error:
+        return f"{MISMATCH}: {error}"
+    except Exception:  # noqa: BLE001 - reported to the test, which names it
+        return traceback.format_exc(limit=-8)
+    return "ok"
+
+
+def _rl_tier(run_dir: str) -> dict[str, dict[str, str]]:
+    """The clean scenarios, then each plant's scenario with the plant in place."""
+    with host_memory_guard(SCOPE):
+        trainer = _build_trainer(run_dir)
+        scenarios = _rl_scenarios(trainer)
+        clean = {name: _outcome(run) for name, run in scenarios.items()}
+        planted = {}
+        for name, (scenario, plant) in _rl_plants().items():
+            with plant:
+                planted[name] = _outcome(scenarios[scenario])
+    return {"clean": clean, "planted": planted}
+
+
+@pytest.fixture(scope="module")
+def rl_outcomes(tmp_path_factory) -> dict[str, dict[str, str]]:
+    (outcomes,) = run_distributed(_rl_tier, 1, str(tmp_path_factory.mktemp("rl")))
+    return outcomes
+
+
+RL_SCENARIOS = ["rollout", "old_logprobs", "update", "rl_step", "evaluate", "megatron_decode", "score_forward"]
+RL_PLANTS = [
+    "prefill", "lean_decode_step", "megatron_decode_step", "sampling_generator", "rollout_collective", "advantages",
+    "old_logprobs_pass", "training_forward", "lightning_backward", "lm_head_backward", "token_logprobs",
+    "token_logprobs_moved_to_host", "policy_loss", "score_forward",
+]
+
+
+@pytest.mark.parametrize("scenario", RL_SCENARIOS)
+def test_rl_driver_runs_with_tensors_on_the_run_device(rl_outcomes, scenario):
+    assert rl_outcomes["clean"][scenario] == "ok", rl_outcomes["clean"][scenario]
+
+
+@pytest.mark.parametrize("plant", RL_PLANTS)
+def test_planted_host_tensor_in_rl_driver_is_caught(rl_outcomes, plant):
+    assert rl_outcomes["planted"][plant].startswith(MISMATCH), rl_outcomes["planted"][plant]
+
+
+# ---------------------------------------------------------------------------------------------
+# One SFT step (the entry point) under the guard
+
+
+def _sft_files(workspace: Path) -> list[str]:
+    """The smallest SFT run: 2 pairs, one step of one micro-batch, a sentencepiece tokenizer."""
+    from megacispo.data import PromptRecord, atomic_write_text, format_jsonl
+    from megacispo.tokenizer import train_sentencepiece
+
+    pairs = [PromptRecord(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in range(2)]
+    atomic_write_text(workspace / "pairs.jsonl", format_jsonl(pairs))
+    atomic_write_text(workspace / "corpus.txt", "".join(f"{p.prompt}{p.answer}\n" for p in pairs))
+    tokenizer = train_sentencepiece([workspace / "corpus.txt"], 300, workspace)
+    settings = {"data.sft_pairs": workspace / "pairs.jsonl", "data.tokenizer": tokenizer, "sft.steps": 1,
+                "sft.batch_size": 2, "train.micro_batch_size": 2, "train.run_dir": workspace / "run"}
+    return [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+
+
+def _sft_step(argv: list[str]) -> None:
+    from megacispo.parallel.layout import destroy_distributed
+    from megacispo.sft import main
+
+    try:
+        assert main(argv) == 0
+    finally:
+        destroy_distributed()
+
+
+def _sft_tier(workspace: str) -> dict[str, str]:
+    from megacispo.engine import Engine
+
+    argv = _sft_files(Path(workspace))
+    with host_memory_guard(SCOPE):
+        clean = _outcome(lambda: _sft_step(argv))
+        with _planted(Engine, "token_logprobs"):
+            planted = _outcome(lambda: _sft_step(argv))
+    return {"clean": clean, "planted": planted}
+
+
+@pytest.fixture(scope="module")
+def sft_outcomes(tmp_path_factory) -> dict[str, str]:
+    (outcomes,) = run_distributed(_sft_tier, 1, str(tmp_path_factory.mktemp("sft")))
+    return outcomes
+
+
+def test_sft_step_runs_with_tensors_on_the_run_device(sft_outcomes):
+    assert sft_outcomes["clean"] == "ok", sft_outcomes["clean"]
+
+
+def test_planted_host_tensor_in_sft_step_is_caught(sft_outcomes):
+    assert sft_outcomes["planted"].startswith(MISMATCH), sft_outcomes["planted"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure tensor math on the meta device
+
+
+META = torch.device("meta")
+
+
+def _policy_loss() -> None:
+    from megacispo.losses import compute_global_counts, compute_policy_loss
+
+    logprobs = torch.randn(4, 9, device=META, requires_grad=True)
+    old_logprobs, loss_mask = torch.randn(4, 9, device=META), torch.ones(4, 9, device=META)
+    counts = compute_global_counts([loss_mask], [old_logprobs], group=None)
+    loss, _ = compute_policy_loss("cispo", logprobs, old_logprobs, torch.randn(4, device=META), loss_mask, counts)
+    loss.backward()
+
+
+def _vocab_parallel_logprobs() -> None:
+    from megacispo.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+
+    logits = torch.randn(3, 7, 50, device=META, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 7), device=META)
+    # check_targets reads the ids' values, which meta tensors do not have.
+    vocab_parallel_logprobs(logits, targets, check_targets=False).sum().backward()
+    vocab_parallel_entropy(logits)
+
+
+def _fused_lm_head() -> None:
+    from megacispo.parallel.vocab_parallel import lm_head_logprobs
+
+    hidden = torch.randn(20, 64, device=META, requires_grad=True)
+    weight = torch.randn(50, 64, device=META, requires_grad=True)
+    targets = torch.randint(0, 50, (20,), device=META)
+    # Tiles smaller than the call: the tile loop and the merge of statistics run; no default tile for meta.
+    logprobs, _ = lm_head_logprobs(hidden, weight, targets, compute_entropy=True, check_targets=False,
+                                   chunk_size=8, vocab_chunk_size=16)
+    logprobs.sum().backward()
+
+
+def _norm_and_rotary() -> None:
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+    from megacispo.parallel.layout import ParallelConfig
+
+    norm = RMSNorm(transformer_config(model_config("tiny"), ParallelConfig()), 64, 1e-6).to(META)
+    hidden = torch.randn(3, 64, device=META, requires_grad=True)
+    cos, sin = RotaryEmbedding(8, 10_000.0)(torch.arange(5, device=META)[None])
+    rotated = apply_rotary(torch.randn(1, 4, 5, 16, device=META, requires_grad=True), cos, sin)
+    (norm(hidden).sum() + rotated.sum()).backward()
+
+
+def _lightning_decode_step() -> None:
+    from megacispo.models.lightning import lightning_decay_rates, lightning_decode_step
+
+    q, k, v = (torch.randn(2, 4, 16, device=META) for _ in range(3))
+    lightning_decode_step(q, k, v, lightning_decay_rates(4, 0, 8).to(META), torch.zeros(2, 4, 16, 16, device=META))
+
+
+def _explicit_cpu_tensor_added(t: torch.Tensor) -> torch.Tensor:
+    # 1-dim: a 0-dim CPU tensor is a scalar that meta ops take, as CUDA ops do.
+    return t + torch.zeros(1, device="cpu")
+
+
+def _meta_plants():
+    """name: (the math it runs, the plant): an explicit CPU tensor in one function of that math."""
+    import megacispo.losses
+    import megacispo.models.layers
+    import megacispo.models.lightning
+    import megacispo.parallel.vocab_parallel
+
+    return {
+        "policy_loss": (_policy_loss, _planted(megacispo.losses, "aggregate_loss", _explicit_cpu_tensor_added)),
+        "vocab_parallel_logprobs": (_vocab_parallel_logprobs, _planted(
+            megacispo.parallel.vocab_parallel, "_grad_of_logits", _explicit_cpu_tensor_added)),
+        "fused_lm_head": (_fused_lm_head, _planted(
+            megacispo.parallel.vocab_parallel, "_columns_targets", _explicit_cpu_tensor_added)),
+        "norm_and_rotary": (_norm_and_rotary, _planted(
+            megacispo.models.layers, "_rotate_half", _explicit_cpu_tensor_added)),
+        "lightning_decode_step": (_lightning_decode_step, _planted(
+            megacispo.models.lightning, "lightning_state_step", _explicit_cpu_tensor_added)),
+    }
+
+
+META_MATH = ["policy_loss", "vocab_parallel_logprobs", "fused_lm_head", "norm_and_rotary", "lightning_decode_step"]
+
+
+@pytest.mark.parametrize("name", META_MATH)
+def test_math_runs_on_meta(name):
+    math, _ = _meta_plants()[name]
+    assert _outcome(math) == "ok", _outcome(math)
+
+
+@pytest.mark.parametrize("name", META_MATH)
+def test_planted_cpu_tensor_in_math_on_meta_is_caught(name):
+    math, plant = _meta_plants()[name]
+    with plant, pytest.raises(RuntimeError, match="is not on the expected device"):
+        math()
