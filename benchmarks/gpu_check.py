@@ -128,7 +128,8 @@ class Report:
     def add_stage(self, row: StageRow) -> None:
         self.stages.append(row)
         self.failed |= not row.passed
-        print(f"  done: driver {row.stage} / {row.dtype}: {'pass' if row.passed else 'FAIL'}", file=sys.stderr, flush=True)
+        status = "pass" if row.passed else "FAIL"
+        print(f"  done: driver {row.stage} / {row.dtype}: {status}", file=sys.stderr, flush=True)
 
     def table(self) -> str:
         header = ("check", "case", "max error", "ms", "throughput", "peak memory", "note")
@@ -701,8 +702,7 @@ def driver_config(data: Path, tokenizer: Path) -> dict:
         "rl": {"loss": {"name": "cispo", "params": {"eps_low": 1.0, "eps_high": 4.0}}, "updates_per_rollout": 2,
                "reward": SPREAD_REWARD},
         "optimizer": {"lr": 1.0e-4, "clip_grad": 1.0},
-        # Two RL steps, then the resumed third: every checkpoint stays for the save and resume checks.
-        "train": {"steps": RL_STEPS, "micro_batch_size": 8, "keep_last": 3},
+        "train": {"steps": RL_STEPS, "micro_batch_size": 8},
         "sft": {"steps": SFT_STEPS, "batch_size": 16, "lr": 3.0e-3},
     }
 
@@ -741,7 +741,7 @@ def rl_stage(run: DriverRun) -> str:
 
 
 def per_step(values: dict[int, float], spec: str) -> str:
-    return ", ".join(f"{values[step]:{spec}}" for step in sorted(values))
+    return " / ".join(f"{values[step]:{spec}}" for step in sorted(values))
 
 
 def save_stage(run: DriverRun) -> str:
@@ -785,8 +785,8 @@ def score_stage(run: DriverRun) -> str:
         require(len(record["logprobs"]) == len(record["tokens"]) - 1,
                 f"{len(record['logprobs'])} log-probs for {len(record['tokens'])} tokens")
         logprobs += record["logprobs"]
-    require(all(math.isfinite(value) and value <= 0 for value in logprobs),
-            f"log-probs outside (-inf, 0]: {[value for value in logprobs if not value <= 0][:3]}")
+    outside = [value for value in logprobs if not (math.isfinite(value) and value <= 0)]
+    require(not outside, f"{len(outside)} log-probs outside (-inf, 0], e.g. {outside[:3]}")
     return f"log-prob sum {sum(logprobs):.2f} over {len(logprobs)} tokens of {len(scored)} sequences"
 
 
