@@ -226,6 +226,7 @@ def model_shape(config: HybridModelConfig) -> ModelShape:
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_query_groups,
         num_experts=config.num_experts,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
     )
 
 

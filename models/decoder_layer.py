@@ -171,10 +171,10 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         what forward computes for a one-token decode step, through the mixer's and the MoE's
         ``step`` (no Megatron linears, router or token dispatcher in this process).
         rotary_pos_cos / _sin [b, 1, rotary_dim] at the token's position (softmax layers)."""
-        normed = self.input_layernorm(hidden)
+        normed = self.input_layernorm.step(hidden)
         mixed = self.self_attention.step(normed, cache, rotary_pos_cos, rotary_pos_sin)
         hidden = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
-        normed = self.pre_mlp_layernorm(hidden)
+        normed = self.pre_mlp_layernorm.step(hidden)
         return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, self.mlp.step(normed))
 
 

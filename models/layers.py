@@ -70,8 +70,30 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        wide = at_least_fp32(hidden)
-        return _rms_normalize(hidden, wide, _sum_of_squares(wide), hidden.shape[-1], self.eps, self.weight)
+        return rms_norm(hidden, self.weight, self.eps)
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A decode step's norm of [b, C], without autograd: the op ``megacispo::rms_norm``."""
+        return torch.ops.megacispo.rms_norm(hidden, self.weight, self.eps)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's math over the whole last dimension of hidden [..., C]."""
+    wide = at_least_fp32(hidden)
+    return _rms_normalize(hidden, wide, _sum_of_squares(wide), hidden.shape[-1], eps, weight)
+
+
+# The op decode steps call (they run a norm 3 times a layer, on a few rows): one call where torch
+# runs eight ops, and a place for a backend's own kernel (the CPU layer has one, parallel/cpu/).
+_LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
+_LIBRARY.define("rms_norm(Tensor hidden, Tensor weight, float eps) -> Tensor")
+_LIBRARY.impl("rms_norm", rms_norm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("megacispo::rms_norm")
+def _(hidden, weight, eps) -> torch.Tensor:
+    dtype = torch.promote_types(weight.dtype, hidden.dtype)
+    return torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
 
 
 def _sum_of_squares(wide: torch.Tensor) -> torch.Tensor:
@@ -131,6 +153,10 @@ class TensorParallelRMSNorm(torch.nn.Module):
         if self.tp_size > 1:
             sum_squares = _AllReduceSum.apply(sum_squares, self.tp_group)
         return _rms_normalize(hidden, wide, sum_squares, self.hidden_size, self.eps, self.weight)
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A decode step's norm of [b, C] at TP = 1 (the lean step's layout), without autograd."""
+        return torch.ops.megacispo.rms_norm(hidden, self.weight, self.eps)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return make_sharded_tensors_for_checkpoint(

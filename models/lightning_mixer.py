@@ -145,7 +145,7 @@ class LightningMixer(MegatronModule):
         )
         out = out.to(hidden.dtype).reshape(batch, -1)  # [b, heads * d]
         gate = F.linear(hidden, self.output_gate.weight)
-        return F.linear(torch.sigmoid(gate) * self.norm(out), self.out_proj.weight)
+        return F.linear(torch.sigmoid(gate) * self.norm.step(out), self.out_proj.weight)
 
     def _attend(
         self,

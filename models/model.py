@@ -333,7 +333,7 @@ class HybridModel(LanguageModule):
             hidden = layer.step(hidden, cache, cos, sin)
         if not self.post_process:
             return hidden[None], None
-        hidden = self.decoder.final_layernorm(hidden)
+        hidden = self.decoder.final_layernorm.step(hidden)
         return hidden[None], at_least_fp32(self._logits(hidden, plain=True))[:, None]
 
     @property

@@ -22,7 +22,13 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """EP: the experts of every MoE layer are distributed over this many ranks."""
     expert_tensor_parallel_size: int | None = None
-    """TP inside each expert; None means the same as tensor_model_parallel_size."""
+    """Expert TP: each expert's FFN is split across this many ranks; None means the same as
+    tensor_model_parallel_size. The experts have a grid of their own (expert TP x EP x expert DP in
+    each pipeline stage) over the same processes as the attention's TP x DP, so TP 2 with EP 2 and
+    expert TP 1 runs on 2 processes (Megatron-Core's "MoE parallel folding")."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved (virtual) pipeline stages per rank: not supported, leave it unset
+    (validate_layout says what it would need)."""
     sequence_parallel: bool = False
     """Shard norms, residuals and dropout along the sequence across the TP group (needs TP > 1)."""
     distributed_timeout_minutes: int = 30
@@ -30,6 +36,7 @@ class ParallelConfig:
 
     @property
     def expert_tp(self) -> int:
+        """The expert TP size in effect (expert_tensor_parallel_size, or TP when it is unset)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -44,6 +51,7 @@ class ModelShape:
     num_attention_heads: int
     num_query_groups: int
     num_experts: int | None
+    moe_ffn_hidden_size: int | None
 
 
 def validate_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape) -> None:
@@ -68,11 +76,7 @@ def validate_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape
             f"processes or change TP/PP."
         )
     if world_size % (etp * ep * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert_tensor_parallel_size * "
-            f"expert_model_parallel_size * pipeline_model_parallel_size = {etp} * {ep} * {pp} = "
-            f"{etp * ep * pp}: launch a multiple of {etp * ep * pp} processes or lower EP."
-        )
+        raise ValueError(_expert_grid_error(parallel, world_size))
     if shape.num_layers % pp:
         raise ValueError(
             f"model.num_layers = {shape.num_layers} is not divisible by pipeline_model_parallel_size = "
@@ -97,6 +101,13 @@ def validate_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape
             f"model.num_experts = {shape.num_experts} is not divisible by expert_model_parallel_size = "
             f"{ep}: choose an EP size that divides the expert count."
         )
+    if shape.num_experts and shape.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"model.moe_ffn_hidden_size = {shape.moe_ffn_hidden_size} is not divisible by "
+            f"expert_tensor_parallel_size = {etp}{_expert_tp_origin(parallel)}: each expert's FFN is split "
+            f"across the expert TP ranks; set parallel.expert_tensor_parallel_size to a divisor of it "
+            f"(1 keeps every expert whole)."
+        )
     if shape.num_experts and tp > 1 and not parallel.sequence_parallel:
         raise ValueError(
             f"tensor_model_parallel_size = {tp} with {shape.num_experts} experts needs "
@@ -107,6 +118,39 @@ def validate_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape
             "parallel.sequence_parallel = true needs tensor_model_parallel_size > 1 (it is 1): "
             "raise TP or turn sequence parallelism off."
         )
+    if parallel.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError(
+            f"parallel.virtual_pipeline_model_parallel_size = {parallel.virtual_pipeline_model_parallel_size}: "
+            "interleaved pipeline stages are not supported. They would need several model chunks per rank "
+            "(each HybridModel built for its virtual stage and layer offset; the engine's DDP, optimizer and "
+            "checkpoints over the list of chunks), Megatron's interleaved schedule (micro-batches a multiple "
+            "of pipeline_model_parallel_size), and rollouts that decode through every chunk of every stage "
+            "in turn. Unset it: pipeline_model_parallel_size alone gives each rank one stage."
+        )
+
+
+def _expert_tp_origin(parallel: ParallelConfig) -> str:
+    """Where the expert TP size comes from, when the user did not set it."""
+    if parallel.expert_tensor_parallel_size is None:
+        return f" (expert_tensor_parallel_size is unset, so it is tensor_model_parallel_size = {parallel.expert_tp})"
+    return ""
+
+
+def _expert_grid_error(parallel: ParallelConfig, world_size: int) -> str:
+    """The refusal of a world size that the experts' grid (expert TP x EP x PP) does not divide."""
+    etp, ep = parallel.expert_tp, parallel.expert_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    grid = etp * ep * pp
+    fix = f"launch a multiple of {grid} processes or lower EP"
+    if etp > 1 and world_size % (ep * pp) == 0:
+        fix = (f"launch a multiple of {grid} processes, lower EP, or set parallel.expert_tensor_parallel_size = 1 "
+               f"(whole experts, EP across the TP ranks)")
+    return (
+        f"world size {world_size} is not divisible by expert_tensor_parallel_size * expert_model_parallel_size * "
+        f"pipeline_model_parallel_size = {etp} * {ep} * {pp} = {grid}{_expert_tp_origin(parallel)}: the experts of "
+        f"each pipeline stage sit on a grid of their own, expert TP x EP x expert DP, over the same processes as "
+        f"TP x DP; {fix}."
+    )
 
 
 def world_size_from_env() -> int:

@@ -1,15 +1,16 @@
 """The CPU layer's kernels (parallel/cpu/csrc/, switched on by ``megacispo.parallel.cpu``) against
 fp64 references on random inputs of odd sizes:
 
-- torch's fp32 products with the layer's kernels in its dispatch (``@``, F.linear, bmm, addmm,
+- torch's fp32 products with the layer's kernels in its dispatch (``@``, F.linear, mm(out=), bmm, addmm,
   addmm_, and their autograd): within 1e-5 of the operands' scale for 1 to 16 rows (the few-rows
   kernel), many rows (oneDNN where it takes fp32), one row per batch entry, transposed and
   strided operands and empty products; other dtypes are torch's own results, bit for bit; a row
   of a few-rows product gets the same bits alone, in any batch and with any number of threads;
   switched off, torch's own bits again;
-- the op ``megacispo::decode_experts``: its CPU kernel (one C++ call per MoE layer) against the op's
-  torch implementation in fp64, with idle experts and a token per expert or many; in bf16 the
-  torch implementation itself; bad inputs get an error naming the argument.
+- the model's decode-step ops ``megacispo::decode_experts`` (one C++ call per MoE layer) and
+  ``megacispo::rms_norm``: their CPU kernels against the ops' torch implementations in fp64, with
+  idle experts and a token per expert or many, odd widths; in bf16 the torch implementations
+  themselves; bad inputs get an error naming the argument.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megacispo.models.experts import decode_experts
+from megacispo.models.layers import rms_norm
 from megacispo.parallel import cpu
 
 FEW_ROWS = 16
@@ -73,6 +75,15 @@ def test_layouts_and_batched_products(cpu_products):
         x, y = torch.randn(2, 3, rows, 16, generator=generator), torch.randn(2, 3, 16, 9, generator=generator)
         _assert_close_to_fp64(x @ y, x, y)
         _assert_close_to_fp64(x @ y.transpose(-1, -2).contiguous().transpose(-1, -2), x, y)
+
+
+@pytest.mark.parametrize("num_rows", [1, FEW_ROWS, 40])
+def test_the_out_form_compiled_graphs_call(cpu_products, num_rows):
+    generator = torch.Generator().manual_seed(num_rows)
+    rows, weight = torch.randn(num_rows, 37, generator=generator), torch.randn(29, 37, generator=generator)
+    for out in (torch.empty(num_rows, 29), torch.empty(0)):  # the right shape, and one to resize
+        torch.mm(rows, weight.T, out=out)
+        _assert_close_to_fp64(out, rows, weight.T)
 
 
 def test_addmm_in_place_and_with_bias(cpu_products):
@@ -138,7 +149,7 @@ def _experts(num_experts: int, hidden: int, ffn: int, generator: torch.Generator
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 16, 33])
-def test_decode_experts_cpu_kernel_equals_the_fp64_experts(cpu_products, batch):
+def test_decode_experts_kernel_equals_the_fp64_experts(cpu_products, batch):
     num_experts, topk, hidden, ffn = 6, 2, 37, 19
     generator = torch.Generator().manual_seed(batch)
     fc1, fc2 = _experts(num_experts, hidden, ffn, generator)
@@ -151,8 +162,6 @@ def test_decode_experts_cpu_kernel_equals_the_fp64_experts(cpu_products, batch):
         expected = decode_experts(
             tokens.double(), probs.double(), top_experts, [w.double() for w in fc1], [w.double() for w in fc2]
         )
-        kernel = torch.ops.megacispo.decode_experts_cpu(tokens, probs, top_experts, fc1, fc2)
-    assert torch.equal(actual, kernel)  # the op's CPU kernel is the C++ one
     assert actual.shape == tokens.shape and actual.dtype == torch.float32
     assert (actual.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
@@ -172,10 +181,27 @@ def test_bad_inputs_name_the_argument(cpu_products):
     generator = torch.Generator().manual_seed(4)
     fc1, fc2 = _experts(3, 16, 8, generator)
     tokens, probs = torch.randn(2, 16, generator=generator), torch.rand(2, 2, generator=generator)
-    op = torch.ops.megacispo.decode_experts_cpu
+    op = torch.ops.megacispo.decode_experts
     with pytest.raises(RuntimeError, match="expert id 3 outside"):
         op(tokens, probs, torch.tensor([[0, 3], [1, 2]]), fc1, fc2)
     with pytest.raises(RuntimeError, match="fc1 weight must be a contiguous fp32"):
         op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), [fc1[0].double(), *fc1[1:]], fc2)
     with pytest.raises(RuntimeError, match="expert 1 weights"):
         op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), [fc1[0], fc1[1][:, :8].contiguous(), fc1[2]], fc2)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, FEW_ROWS, 40])
+@pytest.mark.parametrize("channels", [5, 37, 256])
+def test_rms_norm_kernel_equals_the_fp64_norm(cpu_products, num_rows, channels):
+    generator = torch.Generator().manual_seed(num_rows * 1000 + channels)
+    rows, weight = torch.randn(num_rows, channels, generator=generator), torch.randn(channels, generator=generator)
+    expected = rms_norm(rows.double(), weight.double(), 1e-5)
+    actual = torch.ops.megacispo.rms_norm(rows, weight, 1e-5)
+    assert actual.dtype == torch.float32 and actual.shape == rows.shape
+    assert (actual.double() - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+
+
+def test_rms_norm_in_bf16_is_the_torch_implementation(cpu_products):
+    generator = torch.Generator().manual_seed(9)
+    rows, weight = torch.randn(3, 37, generator=generator).bfloat16(), torch.randn(37, generator=generator).bfloat16()
+    assert torch.equal(torch.ops.megacispo.rms_norm(rows, weight, 1e-5), rms_norm(rows, weight, 1e-5))

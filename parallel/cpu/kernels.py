@@ -3,9 +3,9 @@
 - cpu_gemm.cpp: torch's fp32 CPU products (aten::mm, bmm, addmm, addmm_) replaced at the CPU
   dispatch key by faster kernels for the shapes this project multiplies (few rows, one row per
   batch entry, oneDNN where it takes fp32); its header says which and why.
-- cpu_decode.cpp: the few-rows product those use, and ``decode_experts_cpu``, a decode step's
-  routed experts of one MoE layer in one call, registered here as the fp32 CPU kernel of
-  models/experts.py's op ``megacispo::decode_experts``.
+- cpu_decode.cpp: the few-rows product those use, and the fp32 CPU kernels of the model's decode-step
+  ops ``megacispo::decode_experts`` (a MoE layer's routed experts in one call) and
+  ``megacispo::rms_norm`` (one call where torch runs eight ops); cpu_gemm.cpp registers them.
 
 torch.utils.cpp_extension builds them with the machine's C++ compiler and ninja into its extension
 cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions): tools/setup_env.sh does it, about
@@ -53,36 +53,14 @@ def kernels_available() -> bool:
 
 
 def enable_kernels() -> bool:
-    """Put the kernels in torch's dispatch for CPU tensors (once; later calls change nothing).
-    Returns whether the dense fp32 products run on oneDNN (False on CPUs without AVX-512)."""
-    if not kernels_available():
-        return False
-    _register_decode_experts()
-    return torch.ops.megacispo.enable_cpu_products()
-
-
-@functools.cache
-def _register_decode_experts() -> torch.library.Library:
-    # Cached, so kept alive for the process: dropping a Library removes its registrations.
-    library = torch.library.Library("megacispo", "IMPL")
-    library.impl("decode_experts", _decode_experts, "CPU")
-    return library
+    """Put the kernels in torch's dispatch for CPU tensors (once; later calls change nothing but
+    what ``disable_products`` took out). Returns whether the dense fp32 products run on oneDNN
+    (False on CPUs without AVX-512)."""
+    return kernels_available() and torch.ops.megacispo.enable_cpu_kernels()
 
 
 def disable_products() -> None:
     """torch's own CPU products again (a benchmark's peer runs on them); ``enable_kernels`` restores
-    ours."""
+    ours. The model ops keep their kernels."""
     if kernels_available():
         torch.ops.megacispo.disable_cpu_products()
-
-
-def _decode_experts(tokens, probs, top_experts, fc1_weights, fc2_weights) -> torch.Tensor:
-    """megacispo::decode_experts for CPU tensors: the C++ kernel in fp32, the op's own torch
-    implementation (registered as CompositeExplicitAutograd) in other dtypes."""
-    if tokens.dtype == probs.dtype == torch.float32:
-        return torch.ops.megacispo.decode_experts_cpu(tokens.contiguous(), probs, top_experts, fc1_weights, fc2_weights)
-    # _op_dk calls the kernel registered at one dispatch key: here the torch implementation that
-    # this CPU kernel overrides.
-    return torch.ops.megacispo.decode_experts.default._op_dk(
-        torch._C.DispatchKey.CompositeExplicitAutograd, tokens, probs, top_experts, fc1_weights, fc2_weights
-    )

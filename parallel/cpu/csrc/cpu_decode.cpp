@@ -2,9 +2,14 @@
 //
 //   megacispo::few_rows_product(rows [m, K], weight [N, K]) -> [m, N]   rows @ weight.T, m <= 16;
 //       cpu_gemm.cpp sends torch's products of so few rows here
-//   megacispo::decode_experts_cpu(tokens [b, H], probs [b, k], top_experts [b, k],
-//                                 fc1_weights, fc2_weights) -> [b, H]  one MoE layer's routed experts,
-//       the fp32 CPU kernel of models/experts.py's op megacispo::decode_experts
+//   decode_experts(tokens [b, H], probs [b, k], top_experts [b, k], fc1_weights, fc2_weights) -> [b, H]
+//       one MoE layer's routed experts: the fp32 CPU kernel of models/experts.py's op
+//       megacispo::decode_experts
+//   rms_norm_rows(rows [m, C], weight [C], eps) -> [m, C]: the fp32 CPU kernel of models/layers.py's
+//       op megacispo::rms_norm
+//
+// cpu_gemm.cpp registers them (megacispo::model_op_kernel); other dtypes run the ops' own torch
+// implementations.
 //
 // A decode step's products have few rows and are bound by reading the weights, which MKL's sgemm
 // reads at 5-15 GB/s for 2 to 16 rows on the AMD CPUs we measured (its packing and blocking are
@@ -128,7 +133,7 @@ void expert_products(const std::vector<int64_t>& experts, const std::vector<int6
 // expert-major rows, token order within an expert, then index_add_).
 at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
                           at::TensorList fc1_weights, at::TensorList fc2_weights) {
-  const char* op = "decode_experts_cpu";
+  const char* op = "decode_experts";
   check_fp32_contiguous(tokens, op, "tokens");
   check_fp32_contiguous(probs, op, "probs");
   TORCH_CHECK(top_experts.scalar_type() == at::kLong && top_experts.is_contiguous() && top_experts.dim() == 2 &&
@@ -205,6 +210,34 @@ at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, con
   return out;
 }
 
+// weight * (x * (1 / sqrt(sum(x^2) / C + eps))) per row, as models/layers.py's rms_norm computes it,
+// in one call where torch runs eight ops (about 9 us a norm, 24 norms a decode step of the small
+// model); the sum of squares in the order of the dot products above.
+at::Tensor rms_norm_rows(const at::Tensor& rows, const at::Tensor& weight, double eps) {
+  check_fp32_contiguous(rows, "rms_norm_rows", "rows");
+  check_fp32_contiguous(weight, "rms_norm_rows", "weight");
+  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 1 && rows.size(1) == weight.size(0),
+              "rms_norm_rows: rows [m, C] and weight [C], got ", rows.sizes(), " and ", weight.sizes());
+  const int64_t num_rows = rows.size(0), channels = rows.size(1);
+  at::Tensor out = at::empty_like(rows);
+  const float* w = weight.data_ptr<float>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float* x = rows.data_ptr<float>() + r * channels;
+    float* o = out.data_ptr<float>() + r * channels;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= channels; c += 8) {
+      const __m256 xc = _mm256_loadu_ps(x + c);
+      acc = _mm256_fmadd_ps(xc, xc, acc);
+    }
+    float sum_squares = hsum(acc);
+    for (int64_t t = c; t < channels; ++t) sum_squares += x[t] * x[t];
+    const float inverse_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(channels) + static_cast<float>(eps));
+    for (int64_t t = 0; t < channels; ++t) o[t] = w[t] * (x[t] * inverse_rms);
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace megacispo {
@@ -228,14 +261,14 @@ at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight) {
   return out;
 }
 
+at::Tensor decode_experts_kernel(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
+                                 at::TensorList fc1_weights, at::TensorList fc2_weights) {
+  return decode_experts(tokens.contiguous(), probs, top_experts, fc1_weights, fc2_weights);
+}
+
+at::Tensor rms_norm_kernel(const at::Tensor& rows, const at::Tensor& weight, double eps) {
+  return rms_norm_rows(rows.contiguous(), weight, eps);
+}
+
 }  // namespace megacispo
 
-// A fragment: the megacispo namespace also holds ops defined from Python (models/experts.py).
-TORCH_LIBRARY_FRAGMENT(megacispo, m) {
-  m.def("decode_experts_cpu(Tensor tokens, Tensor probs, Tensor top_experts, Tensor[] fc1_weights, "
-        "Tensor[] fc2_weights) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(megacispo, CPU, m) {
-  m.impl("decode_experts_cpu", &decode_experts);
-}

@@ -1,6 +1,10 @@
-// torch's fp32 CPU products (aten::mm, addmm, addmm_, bmm) replaced, at the CPU dispatch key, by
-// faster kernels for the shapes this project multiplies; built by parallel/cpu/kernels.py and
-// switched on by megacispo.parallel.cpu.enable():
+// megacispo's CPU kernels put into torch's dispatch, at the CPU key; built by parallel/cpu/kernels.py
+// and switched on by megacispo.parallel.cpu.enable() (megacispo::enable_cpu_kernels):
+//
+// - the fp32 CPU kernels of the model's decode-step ops megacispo::decode_experts and
+//   megacispo::rms_norm (cpu_decode.cpp); other dtypes run the ops' own torch implementations;
+// - torch's fp32 CPU products (aten::mm, addmm, addmm_, bmm) replaced by faster kernels for the
+//   shapes this project multiplies:
 //
 //   - 1 to 16 rows times a weight (a @ weight.T, weight contiguous [n, k]): cpu_decode.cpp's
 //     few_rows_product, which reads each weight row once for all the rows. A decode step's
@@ -13,6 +17,8 @@
 //     oneDNN multiplied about twice as fast on this project's 2-core AMD EPYC VM (docs/cpu.md).
 //   - All the rest (other dtypes, other layouts, empty products): torch's own CPU kernels.
 //
+// The out= form of mm, which torch.compile's graphs call, takes the same kernels.
+//
 // Model code therefore multiplies with `@`, F.linear and Megatron's linears, unchanged, on every
 // device; their autograd formulas call these ops too, so backward passes take the same kernels.
 // The sums are the same products in another order: results agree with torch's to fp32 rounding.
@@ -21,6 +27,8 @@
 // torch exports it.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
@@ -39,15 +47,20 @@ TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, con
 }  // namespace at::native
 
 namespace megacispo {
-// cpu_decode.cpp: rows [m, k] (m <= kFewRows) x weight [n, k]^T -> [m, n].
+// cpu_decode.cpp: rows [m, k] (m <= kFewRows) x weight [n, k]^T -> [m, n], and the model ops' fp32
+// kernels.
 at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight);
 constexpr int64_t kFewRows = 16;
+at::Tensor decode_experts_kernel(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
+                                 at::TensorList fc1_weights, at::TensorList fc2_weights);
+at::Tensor rms_norm_kernel(const at::Tensor& rows, const at::Tensor& weight, double eps);
 }  // namespace megacispo
 
 namespace {
 
 bool onednn_enabled = false;
-std::unique_ptr<torch::Library> registrations;
+std::unique_ptr<torch::Library> product_kernels;
+std::unique_ptr<torch::Library> model_op_kernels;
 
 bool fp32(const at::Tensor& a, const at::Tensor& b) {
   return a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
@@ -85,6 +98,21 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
     return onednn_product(a, b);
   }
   return at::cpu::mm(a, b);
+}
+
+// torch.compile's graphs call the out= form (inductor's extern_kernels.mm).
+at::Tensor& mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  if (!few_rows_take(a, b) && !onednn_takes(a, b)) {
+    return at::cpu::mm_out(out, a, b);
+  }
+  if (onednn_takes(a, b) && !few_rows_take(a, b) && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+      out.sizes() == at::IntArrayRef({a.size(0), b.size(1)})) {
+    at::native::mkldnn_matmul(a, b, out, /*beta=*/0.0f, /*alpha=*/1.0f);
+    return out;
+  }
+  at::Tensor product = mm(a, b);
+  out.resize_(product.sizes());
+  return out.copy_(product);
 }
 
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
@@ -130,6 +158,30 @@ bool onednn_takes_fp32() {
   }
 }
 
+// An op's own torch implementation, registered by models/ as its CompositeExplicitAutograd kernel:
+// what its CPU kernel falls back to for the dtypes the C++ kernels do not take.
+at::Tensor torch_implementation(const char* name, torch::jit::Stack stack) {
+  const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
+  return stack.back().toTensor();
+}
+
+at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
+                          at::TensorList fc1_weights, at::TensorList fc2_weights) {
+  if (tokens.scalar_type() == at::kFloat && probs.scalar_type() == at::kFloat) {
+    return megacispo::decode_experts_kernel(tokens, probs, top_experts, fc1_weights, fc2_weights);
+  }
+  return torch_implementation("megacispo::decode_experts",
+                              {tokens, probs, top_experts, fc1_weights.vec(), fc2_weights.vec()});
+}
+
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  if (hidden.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && hidden.dim() == 2) {
+    return megacispo::rms_norm_kernel(hidden, weight, eps);
+  }
+  return torch_implementation("megacispo::rms_norm", {hidden, weight, eps});
+}
+
 // Overriding aten's CPU kernels is what this is for: torch's one-time warning about it says
 // nothing the user can act on.
 class QuietWarnings : public c10::WarningHandler {
@@ -138,27 +190,34 @@ class QuietWarnings : public c10::WarningHandler {
 };
 
 // Returns whether the dense products run on oneDNN.
-bool enable_cpu_products() {
-  if (!registrations) {
+bool enable_cpu_kernels() {
+  if (!model_op_kernels) {
+    model_op_kernels = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "megacispo", std::make_optional(c10::DispatchKey::CPU), __FILE__, __LINE__);
+    model_op_kernels->impl("decode_experts", &decode_experts);
+    model_op_kernels->impl("rms_norm", &rms_norm);
+  }
+  if (!product_kernels) {
     onednn_enabled = onednn_takes_fp32();
     QuietWarnings quiet;
     c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    registrations = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
-                                                     std::make_optional(c10::DispatchKey::CPU), __FILE__, __LINE__);
-    registrations->impl("mm", &mm);
-    registrations->impl("bmm", &bmm);
-    registrations->impl("addmm", &addmm);
-    registrations->impl("addmm_", &addmm_);
+    product_kernels = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "aten", std::make_optional(c10::DispatchKey::CPU), __FILE__, __LINE__);
+    product_kernels->impl("mm", &mm);
+    product_kernels->impl("mm.out", &mm_out);
+    product_kernels->impl("bmm", &bmm);
+    product_kernels->impl("addmm", &addmm);
+    product_kernels->impl("addmm_", &addmm_);
   }
   return onednn_enabled;
 }
 
-// Back to torch's own kernels (a benchmark's peer runs on them).
-void disable_cpu_products() { registrations.reset(); }
+// torch's own products again (a benchmark's peer runs on them); the model ops keep their kernels.
+void disable_cpu_products() { product_kernels.reset(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megacispo, m) {
-  m.def("enable_cpu_products() -> bool", &enable_cpu_products);
+  m.def("enable_cpu_kernels() -> bool", &enable_cpu_kernels);
   m.def("disable_cpu_products() -> ()", &disable_cpu_products);
 }
