@@ -4,6 +4,10 @@
 # Megatron-Core's tensor/sequence-parallel communication relies on kernels running in issue order.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+# Preemption: torchrun forwards a SIGTERM to the ranks and SIGKILLs them this many seconds later (its
+# own default is 30). The ranks save within one decode step, or within the rest of the step's
+# updates when they have begun, plus one save: the grace must cover that (docs/launch.md).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-300}"
 
 # Model: the size and its fields come from the config.
 ENTRY_ARGS=(--config "$CONFIG")

@@ -16,6 +16,7 @@
 #   TP, PP, EP, ETP, SP           parallel layout overrides (SP = true | false)
 #   STEPS, LOSS, UPDATES_PER_ROLLOUT, MICRO_BATCH   RL overrides
 #   RUN_DIR, CHECKPOINT_EVERY     where TensorBoard logs and checkpoints go, and how often
+#   SHUTDOWN_TIMEOUT [300]        seconds torchrun lets the ranks save after SIGTERM before SIGKILL
 #   LOG_DIR [runs/minimax_m1/torchrun_logs]   per-rank logs in LOG_DIR/node<NODE_RANK>/<run>/attempt_0/<local rank>/
 #   CONSOLE_RANKS [0]             local ranks also shown on this node's console
 set -euo pipefail

@@ -11,6 +11,7 @@
 #   TP, PP, EP, ETP, SP           parallel layout overrides (SP = true | false)
 #   STEPS, LOSS, UPDATES_PER_ROLLOUT, MICRO_BATCH   RL overrides
 #   RUN_DIR, CHECKPOINT_EVERY     where TensorBoard logs and checkpoints go, and how often
+#   SHUTDOWN_TIMEOUT [300]        seconds torchrun lets the ranks save after SIGTERM before SIGKILL
 #   LOG_DIR [runs/single_node/torchrun_logs]   per-rank stdout / stderr (LOG_DIR/<run>/attempt_0/<rank>/)
 #   CONSOLE_RANKS [0]             local ranks also shown on the console
 set -euo pipefail

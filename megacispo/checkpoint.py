@@ -1,4 +1,4 @@
-"""Checkpoints of a run: Megatron distributed checkpoints, written atomically, resumable, reshardable.
+"""Checkpoints of a run: Megatron distributed checkpoints, written atomically, verified, resumable, reshardable.
 
 One checkpoint is one directory ``root/step_{step:08d}``::
 
@@ -6,12 +6,18 @@ One checkpoint is one directory ``root/step_{step:08d}``::
                                   at one TP/PP/EP/DP layout loads at any other
     rng/rank_{r}.pt               rank r's RNG states (python, numpy, torch, Megatron's RNG tracker)
     meta.json                     step, world size, layout, extra_state (e.g. the sampler position),
-                                  scheduler state, the resolved config
+                                  scheduler state, the resolved config, and the size of every other file
 
-Everything is written into the sibling ``root/.tmp_step_{step:08d}`` first; meta.json is its last
-file, and the rename of the finished directory to ``step_*`` is the commit (os.rename within one
-filesystem is atomic). A crash before the rename leaves only a ``.tmp_*`` directory, which
-``latest_checkpoint`` ignores and the next save removes. One run writes to a root at a time.
+Everything is written into the sibling ``root/.tmp_step_{step:08d}`` first and flushed to disk;
+meta.json is its last file, and the rename of the finished directory to ``step_*`` is the commit
+(os.rename within one filesystem is atomic). A crash before the rename leaves only a ``.tmp_*``
+directory, which is never read and which the next save removes. One run writes to a root at a time.
+
+A checkpoint verifies (``verify_checkpoint``, before anything is built) when meta.json reads back,
+every file it records is there with its recorded size, and the small files every rank reads
+(Megatron's metadata.json and common.pt) are intact. Damage inside a shard shows when it loads:
+``load_checkpoint`` reports it as a ``CheckpointError`` naming the file, on every rank alike, so a
+resumed run can pass over that checkpoint to an older one.
 
 The optimizer state uses the distributed optimizer's ``fully_reshardable`` format (per-parameter
 tensors in model space, the way a plain optimizer stores them), so it reshards across TP/PP/DP too.
@@ -22,24 +28,40 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+# 2: meta.json records the size of every file of the checkpoint.
+FORMAT_VERSION = 2
 META_FILE = "meta.json"
 RNG_DIR = "rng"
 TEMP_PREFIX = ".tmp_"
+# Megatron's record of the checkpoint's format (JSON) and its non-sharded state (a torch.save archive):
+# every rank reads both before the shards.
+MEGATRON_CONFIG_FILE = "metadata.json"
+MEGATRON_COMMON_FILE = "common.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
+# The model fields that fix a checkpoint's tensor keys and shapes. The others (RoPE base, norm
+# epsilons, residual factors, router top-k, ...) leave the tensors as they are, and a run may change them.
+WEIGHT_FIELDS = ("num_layers", "layer_pattern", "hidden_size", "num_attention_heads", "head_dim", "num_query_groups",
+                 "num_experts", "moe_ffn_hidden_size", "vocab_size")
 # Megatron's distributed optimizer state format that reshards across every parallel dimension
 # ('dp_reshardable', Megatron-LM's training default, reshards only across DP).
 OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message names the file and what is wrong with it. A
+    ValueError, which the entry points print as one ``error:`` line."""
 
 
 def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
@@ -205,7 +227,7 @@ def _json_checked(name: str, value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def _capture_rng() -> dict[str, Any]:
+def capture_rng() -> dict[str, Any]:
     """This rank's RNG states as tensors and plain containers (loadable with weights_only=True)."""
     from megatron.core import tensor_parallel
 
@@ -227,7 +249,8 @@ def _capture_rng() -> dict[str, Any]:
     return state
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set this rank's RNG states to ``capture_rng``'s."""
     from megatron.core import tensor_parallel
 
     version, internal, gauss_next = state["python"]
@@ -299,7 +322,9 @@ def save_checkpoint(
     # Into an empty directory: Megatron warns about overwriting a corrupted checkpoint otherwise.
     dist_checkpointing.save(sharded_state, str(temporary))
     (temporary / RNG_DIR).mkdir(exist_ok=True)
-    torch.save(_capture_rng(), _rng_file(temporary, rank))
+    with open(_rng_file(temporary, rank), "wb") as file:
+        torch.save(capture_rng(), file)
+        _flush(file)
     _barrier()
     if rank == 0:
         write_meta(temporary, meta)
@@ -327,18 +352,25 @@ def checkpoint_meta(step: int, *, has_optimizer: bool, scheduler_state: dict | N
 
 
 def write_meta(directory: Path, meta: dict) -> None:
-    """meta.json, flushed to disk (written last: its presence marks a complete checkpoint)."""
-    _write_json(directory / META_FILE, meta)
+    """meta.json, written last: its presence marks a complete checkpoint, and it records the size of
+    every other file, each flushed to disk first (Megatron does not flush its common.pt and
+    metadata.json), so that a checkpoint that verifies survives a crash of the machine."""
+    files = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            _fsync(path)
+            files[path.relative_to(directory).as_posix()] = path.stat().st_size
+    with open(directory / META_FILE, "w") as file:
+        json.dump({**meta, "files": files}, file, indent=2)
+        _flush(file)
 
 
-def _write_json(path: Path, value: dict) -> None:
-    with open(path, "w") as file:
-        json.dump(value, file, indent=2)
-        file.flush()
-        os.fsync(file.fileno())
+def _flush(file) -> None:
+    file.flush()
+    os.fsync(file.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -357,11 +389,12 @@ def _publish(temporary: Path, final: Path) -> None:
         shutil.rmtree(replaced)
     else:
         os.rename(temporary, final)
-    _fsync_dir(final.parent)
+    _fsync(final.parent)
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    """Delete the complete checkpoints older than the newest ``keep_last``."""
+    """Delete the checkpoints older than the newest ``keep_last`` that verify. Damaged ones do not
+    count (a damaged newer one must not cost the last good one) and are left to be looked at."""
     for old in complete_checkpoints(root)[:-keep_last]:
         # Renamed before deletion, so an interrupted delete never leaves a half-deleted step_*.
         doomed = old.with_name(f"{TEMP_PREFIX}deleting_{old.name}")
@@ -388,70 +421,146 @@ def _step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """The complete checkpoints under ``root`` (``step_*`` directories with a meta.json), oldest first."""
+def find_checkpoints(root: str | os.PathLike) -> dict[Path, str | None]:
+    """Every ``step_*`` directory under ``root``, oldest first, with why it does not verify (None when
+    it does). Interrupted saves (``.tmp_*``) are not looked at."""
     root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        path for path in root.iterdir()
-        if path.is_dir() and _step_of(path) is not None and (path / META_FILE).is_file()
-    ]
-    return sorted(found, key=_step_of)
+    steps = sorted((path for path in root.iterdir() if path.is_dir() and _step_of(path) is not None),
+                   key=_step_of) if root.is_dir() else []
+    return {path: _problem(path) for path in steps}
+
+
+def _problem(path: Path) -> str | None:
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The checkpoints under ``root`` that verify, oldest first."""
+    return [path for path, problem in find_checkpoints(root).items() if problem is None]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None; interrupted saves are ignored."""
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
+    """The newest checkpoint under ``root`` that verifies, or None."""
+    verified = complete_checkpoints(root)
+    return verified[-1] if verified else None
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A step_* directory, or the newest complete one under a checkpoints root."""
+    """The checkpoint ``path`` names: a step directory (``step_*``, or any directory with a meta.json),
+    which must verify, or else the newest checkpoint under ``path`` that verifies. CheckpointError
+    naming the file and the fix otherwise."""
     path = Path(path)
-    if (path / "meta.json").is_file():
+    if not path.is_dir():
+        raise CheckpointError(f"{path} does not exist: pass a step_* checkpoint directory or the directory holding "
+                              f"them.")
+    if _step_of(path) is not None or (path / META_FILE).is_file():
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as error:
+            raise CheckpointError(f"{error}; pass another checkpoint, or the directory holding them to take the newest "
+                                  f"one that verifies.") from None
         return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise ValueError(
-            f"{path} is neither a megacispo checkpoint (no meta.json) nor a root holding complete step_* "
-            f"checkpoints: pass a step_* directory or its parent."
-        )
-    return latest
+    found = find_checkpoints(path)
+    verified = [step_dir for step_dir, problem in found.items() if problem is None]
+    if verified:
+        return verified[-1]
+    if found:
+        problems = "; ".join(f"{step_dir.name}: {problem}" for step_dir, problem in found.items())
+        raise CheckpointError(f"no checkpoint under {path} verifies ({problems}): pass another checkpoint.")
+    raise CheckpointError(f"{path} is not a checkpoint (no {META_FILE}) and holds no step_* checkpoint: pass a "
+                          f"step_* checkpoint directory or the directory holding them.")
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's meta.json; ValueError naming the path when ``path`` is not a checkpoint."""
+    """A checkpoint's meta.json; CheckpointError naming the path when ``path`` is not a checkpoint."""
     path = Path(path)
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is not a megacispo checkpoint: it has no {META_FILE} (an interrupted save leaves a "
-            f"{TEMP_PREFIX}step_* directory without one). Pass a step_* directory, or latest_checkpoint(root)."
+            f"{TEMP_PREFIX}step_* directory without one)."
         )
     try:
         meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{meta_path} is not valid JSON ({error}): the checkpoint is damaged.") from error
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{meta_path} has format_version {meta.get('format_version')!r}; this megacispo reads "
-            f"version {FORMAT_VERSION}."
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{meta_path} is not valid JSON ({error}): the checkpoint is damaged.") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise CheckpointError(
+            f"{meta_path} has format_version {version!r}; this megacispo reads version {FORMAT_VERSION} "
+            f"(which records the size of every file): save or convert the checkpoint again."
         )
     return meta
 
 
-def _check_files(path: Path, restore_rng: bool) -> None:
-    from megatron.core import dist_checkpointing
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The meta.json of the step directory ``path``, once the checkpoint verifies: every file meta.json
+    records is there with its recorded size, and Megatron's metadata.json and common.pt read back.
+    CheckpointError naming the first file that fails. Reads no shard: damage inside one shows when it
+    loads (``load_checkpoint``)."""
+    path = Path(path)
+    meta = read_meta(path)
+    for name, size in meta["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint is damaged")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file} has {file.stat().st_size} bytes, {size} when it was saved: the checkpoint "
+                                  f"is damaged")
+    _check_megatron_files(path)
+    return meta
 
-    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
-        raise ValueError(
-            f"{path} has a {META_FILE} but no Megatron distributed checkpoint files (metadata.json): "
-            f"the checkpoint is incomplete; use another one, e.g. latest_checkpoint of its root."
-        )
-    rng_file = _rng_file(path, _rank())
-    if restore_rng and not rng_file.is_file():
-        raise ValueError(f"{path} is missing {rng_file.relative_to(path)}: the checkpoint is incomplete.")
+
+def _check_megatron_files(path: Path) -> None:
+    """Megatron's metadata.json and common.pt read back. Every rank reads them before the shards:
+    checked here, their damage is found before anything is built, like a missing file."""
+    config = path / MEGATRON_CONFIG_FILE
+    try:
+        json.loads(config.read_text())
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise CheckpointError(f"{config} does not read back ({error}): the checkpoint is damaged") from None
+    common = path / MEGATRON_COMMON_FILE
+    try:
+        with zipfile.ZipFile(common) as archive:
+            # torch.save writes a zip archive with CRC-32 checksums, which torch.load does not check.
+            damaged_member = archive.testzip()
+    except zipfile.BadZipFile as error:
+        damaged_member = str(error)
+    if damaged_member:
+        raise CheckpointError(f"{common} is not the archive torch.save wrote ({damaged_member}): the checkpoint "
+                              f"is damaged")
+
+
+def check_model(path: str | os.PathLike, model) -> None:
+    """CheckpointError when the checkpoint at ``path`` holds another model than ``model`` (a run
+    config's model section): a field of WEIGHT_FIELDS differs, so its tensors would not fit."""
+    meta_path = Path(path) / META_FILE
+    saved = (read_meta(path).get("config") or {}).get("model")
+    if saved is None:
+        raise CheckpointError(f"{meta_path} records no config.model: load a checkpoint that megacispo saved or "
+                              f"converted.")
+    differing = [name for name in WEIGHT_FIELDS if saved.get(name) != getattr(model, name)]
+    if differing:
+        values = ", ".join(f"model.{name} = {getattr(model, name)!r} (checkpoint: {saved.get(name)!r})"
+                           for name in differing)
+        sets = " ".join(f"--set model.{name}={saved.get(name)}" for name in differing)
+        raise CheckpointError(f"{meta_path} holds another model: {values}; load a checkpoint of the configured "
+                              f"model, or configure the checkpoint's: {sets}")
+
+
+def weights_checkpoint(field: str, path: str | os.PathLike, model) -> Path:
+    """The checkpoint that the config field ``field`` (e.g. train.load) = ``path`` names
+    (``resolve_checkpoint``), holding ``model``; CheckpointError naming the field, the file and the fix."""
+    try:
+        checkpoint = resolve_checkpoint(path)
+        check_model(checkpoint, model)
+    except CheckpointError as error:
+        raise CheckpointError(f"{field}: {error}") from None
+    return checkpoint
 
 
 def load_checkpoint(
@@ -465,36 +574,103 @@ def load_checkpoint(
 
     Any parallel layout loads any checkpoint. The RNG states are restored only where the world size
     and layout equal the saved ones (a different layout gives every rank a different role); otherwise
-    a warning says they were skipped. Returns meta.json's content: ``step``, ``extra_state``,
-    ``config``, ``parallel``, ``world_size`` (as JSON reads them back: tuples become lists, dict
-    keys strings).
+    a warning says they were skipped. A checkpoint that does not verify, or a file that does not read
+    back, raises the same CheckpointError on every rank (on rank 0 it names the damaged file).
+    Returns meta.json's content: ``step``, ``extra_state``, ``config``, ``parallel``, ``world_size``
+    (as JSON reads them back: tuples become lists, dict keys strings).
     """
     path = Path(path)
-    meta = read_meta(path)
-    same_layout = meta["world_size"] == _world_size() and meta["parallel"] == parallel_layout()
-    _check_files(path, restore_rng=load_rng and same_layout)
+    meta = verify_checkpoint(path)
     if optimizer is not None and not meta["has_optimizer"]:
         raise ValueError(f"{path} holds no optimizer state (saved without one): load it with optimizer=None.")
     if scheduler is not None and meta["scheduler"] is None:
         raise ValueError(f"{path} holds no scheduler state (saved without one): load it with scheduler=None.")
+    same_layout = meta["world_size"] == _world_size() and meta["parallel"] == parallel_layout()
+    rng_state = _read_rng(path) if load_rng and same_layout else None
 
-    from megatron.core import dist_checkpointing
-
-    loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(path))
+    loaded = _read_shards(path, _sharded_state_dict(model, optimizer, is_loading=True))
     _unwrap(model).load_state_dict(loaded["model"])
     if optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
-    if load_rng:
-        if same_layout:
-            # Checkpoints are untrusted files: tensors and plain containers only.
-            _restore_rng(torch.load(_rng_file(path, _rank()), weights_only=True))
-        else:
-            warnings.warn(
-                f"RNG states of {path} not restored: saved with world size {meta['world_size']} and layout "
-                f"{meta['parallel']}, this run has world size {_world_size()} and layout {parallel_layout()}. "
-                f"The run continues with its current RNG states.",
-                stacklevel=2,
-            )
+    if rng_state is not None:
+        restore_rng(rng_state)
+    elif load_rng:
+        warnings.warn(
+            f"RNG states of {path} not restored: saved with world size {meta['world_size']} and layout "
+            f"{meta['parallel']}, this run has world size {_world_size()} and layout {parallel_layout()}. "
+            f"The run continues with its current RNG states.",
+            stacklevel=2,
+        )
     return meta
+
+
+def _read_rng(path: Path) -> dict[str, Any]:
+    """This rank's RNG states. Each rank reads a file of its own, so the ranks agree on failure before
+    the load's collectives: one rank failing alone would leave the others waiting in them."""
+    rng_file = _rng_file(path, _rank())
+    try:
+        # Checkpoints are untrusted files: tensors and plain containers only.
+        state, failure = torch.load(rng_file, weights_only=True), None
+    except Exception as error:  # noqa: BLE001 - whatever a damaged file raises, it is reported as damage
+        state, failure = None, f"{rng_file} does not read back ({type(error).__name__}): the checkpoint is damaged"
+    failures = [failure]
+    if torch.distributed.is_initialized():
+        failures = [None] * _world_size()
+        torch.distributed.all_gather_object(failures, failure)
+    first = next((text for text in failures if text), None)
+    if first:
+        raise CheckpointError(first)
+    return state
+
+
+def _read_shards(path: Path, sharded_state: dict[str, Any]) -> dict[str, Any]:
+    """``dist_checkpointing.load``, a shard that does not read back reported as a CheckpointError.
+    torch DCP gathers the failures of the ranks' readers and raises them on every rank, so every rank
+    raises it; rank 0, which prints it, names the damaged file."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(sharded_state, str(path))
+    except CheckpointException as error:  # a BaseException, which `except Exception` would let through
+        failure = next(iter(error.failures.values()))[0]
+        damaged = _damaged_record(path) if _rank() == 0 else None
+        if damaged:
+            raise CheckpointError(f"{damaged} does not load ({type(failure).__name__}): the checkpoint is "
+                                  f"damaged; use another one") from None
+        # torch.load's weights-only unpickler explains its failure as advice to load the file with
+        # weights_only=False: wrong for a damaged file, so only its type is given.
+        detail = "" if isinstance(failure, pickle.UnpicklingError) else f": {str(failure).splitlines()[0]}"
+        raise CheckpointError(f"{path} does not load ({type(failure).__name__}{detail})") from None
+
+
+# How torch.save lays out each record of a torch_dist shard file: a zip archive, from a local file header
+# to the 22-byte end-of-central-directory record (no archive comment).
+_ZIP_LOCAL_HEADER = b"PK\x03\x04"
+_ZIP_END_RECORD = b"PK\x05\x06"
+_ZIP_END_RECORD_SIZE = 22
+
+
+def _damaged_record(path: Path) -> str | None:
+    """The first record of the shard files under ``path`` that does not begin and end as torch.save
+    writes one, as '<file> at byte <offset>'; None when all do. Reads 8 bytes per record: it finds a
+    record zeroed or overwritten at either end, not damage confined to a tensor's bytes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        # torch DCP's own reading of its index (.metadata), which the failed load has just done.
+        records = FileSystemReader(str(path)).read_metadata().storage_data.values()
+    except Exception:  # noqa: BLE001 - the index itself is damaged
+        return str(path / ".metadata")
+    for record in sorted(records, key=lambda record: (record.relative_path, record.offset)):
+        shard = path / record.relative_path
+        with open(shard, "rb") as file:
+            file.seek(record.offset)
+            head = file.read(len(_ZIP_LOCAL_HEADER))
+            file.seek(record.offset + record.length - _ZIP_END_RECORD_SIZE)
+            tail = file.read(len(_ZIP_END_RECORD))
+        if (head, tail) != (_ZIP_LOCAL_HEADER, _ZIP_END_RECORD):
+            return f"{shard} at byte {record.offset}"
+    return None

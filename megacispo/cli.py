@@ -1,13 +1,18 @@
-"""What the entry points share: the command line, start-up validation and the dry-run plan."""
+"""What the entry points share: the command line, start-up validation, loading the tokenizer and the
+prompts, the dry-run plan, and the one way bad input ends a process."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import logging
+import os
+import sys
 import warnings
+from typing import Callable
 
-from megacispo.config import Config, load_config
+from megacispo.config import Config, load_config, max_prompt_tokens
+from megacispo.data import PromptLimit, PromptRecord, load_prompts
 from megacispo.models.config import model_shape, parameter_counts
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import validate_layout, world_size_from_env
@@ -26,17 +31,45 @@ def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
     return parser
 
 
+BAD_INPUT_EXIT_CODE = 2  # argparse's status for a bad command line: one status for every bad input
+
+
+class BadInput(SystemExit):
+    """Exits with BAD_INPUT_EXIT_CODE; its text is the ``error:`` line, for callers that run an entry
+    point in-process."""
+
+    def __init__(self, message: str):
+        super().__init__(BAD_INPUT_EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of torchrun's world (or a plain process); known before any process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 @contextlib.contextmanager
-def bad_input_exits():
-    """Bad config, layout or data ends the process with its message (exit code 1), no traceback."""
+def bad_input_exits(kind: type[ValueError] = ValueError):
+    """Bad input (a ``kind`` of ValueError naming the field, the value and the fix) ends the process
+    with exit code 2 and one ``error:`` line, without a traceback. Every rank checks the same input and
+    finds the same error: rank 0 prints it, the others exit quietly with the same code. Once the run
+    has started, pass the narrower ``kind`` that every rank raises alike (a ValueError of one rank
+    alone must keep its traceback)."""
     try:
         yield
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+    except kind as error:
+        message = f"error: {error}"
+        if is_rank_zero():
+            print(message, file=sys.stderr, flush=True)
+        raise BadInput(message) from None
 
 
-def start_up(args: argparse.Namespace) -> tuple[Config, int]:
-    """Parse and validate everything that can be checked before a process group exists.
+def start_up(args: argparse.Namespace, check_batches: Callable[[Config, int], None]) -> tuple[Config, int]:
+    """Parse and validate everything that can be checked before a process group exists;
+    ``check_batches`` splits the entry point's batches over the data-parallel ranks.
 
     A run that asks for Transformer Engine (FP8) fails here when this machine lacks it, or lacks the
     version its FP8 recipe needs; a dry run only plans, so it names the missing piece in the plan
@@ -49,6 +82,7 @@ def start_up(args: argparse.Namespace) -> tuple[Config, int]:
     config = load_config(args.config, overrides)
     world_size = world_size_from_env()
     validate_layout(config.parallel, world_size, model_shape(config.model))
+    check_batches(config, config.parallel.data_parallel_size(world_size))
     if config.precision.transformer_engine and not args.dry_run:
         require_transformer_engine(config.precision.fp8)
     return config, world_size
@@ -89,6 +123,8 @@ def plan(config: Config, world_size: int) -> str:
         f"x DP {parallel.data_parallel_size(world_size)}; EP {parallel.expert_model_parallel_size}, "
         f"sequence parallel {parallel.sequence_parallel}",
         precision_plan(config),
+        f"lengths: prompts up to {max_prompt_tokens(config)} tokens (longer: {config.data.overlong_prompts}) + "
+        f"{config.rollout.max_new_tokens} new tokens, in a context of {config.model.max_position_embeddings}",
         f"loss: {config.rl.loss.name} {config.rl.loss.params}; {config.rl.updates_per_rollout} updates per rollout batch "
         f"of {config.rollout.prompts_per_step} prompts x {config.rollout.group_size} samples",
         f"run directory: {config.train.run_dir}",
@@ -99,10 +135,61 @@ def load_tokenizer(config: Config):
     """The run's tokenizer, checked against the model's vocabulary."""
     from megacispo.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.load(config.data.tokenizer)
+    path = _data_path(config, "tokenizer")
+    try:
+        tokenizer = Tokenizer.load(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"data.tokenizer: {error}") from None
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
             f"data.tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} pieces but model.vocab_size = "
             f"{config.model.vocab_size}: retrain the tokenizer smaller or set model.vocab_size >= {tokenizer.vocab_size}"
         )
     return tokenizer
+
+
+def load_rl_prompts(config: Config, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord], dict[str, float]]:
+    """data.train_prompts and data.test_prompts (optional), each prompt tokenized once and held to the
+    RL prompt limit; with the counts of prompts data.overlong_prompts skipped or truncated, as metrics."""
+    data, context = config.data, config.model.max_position_embeddings
+    bound = f"data.max_prompt_tokens = {max_prompt_tokens(config)}"
+    if not data.max_prompt_tokens:
+        bound += f" (model.max_position_embeddings {context} - rollout.max_new_tokens {config.rollout.max_new_tokens})"
+    names = ["train_prompts", "test_prompts"] if data.test_prompts else ["train_prompts"]
+    loaded, metrics = {"test_prompts": []}, {}
+    for name in names:
+        limit = PromptLimit(tokenizer, max_prompt_tokens(config), bound, data.overlong_prompts)
+        loaded[name] = _load_data_file(config, name, limit)
+        metrics[f"data/{name}_skipped"] = limit.num_skipped
+        metrics[f"data/{name}_truncated"] = limit.num_truncated
+    return loaded["train_prompts"], loaded["test_prompts"], metrics
+
+
+def load_sft_data(config: Config, tokenizer) -> list[PromptRecord]:
+    """data.sft_pairs, each pair tokenized once: prompt, answer and EOS must fit in the model's context."""
+    context = config.model.max_position_embeddings
+    limit = PromptLimit(tokenizer, context, f"model.max_position_embeddings = {context}", config.data.overlong_prompts,
+                        with_answer=True)
+    return _load_data_file(config, "sft_pairs", limit)
+
+
+def _data_path(config: Config, name: str) -> str:
+    path = getattr(config.data, name)
+    if not path:
+        raise ValueError(f"data.{name} is not set: give its path in the config or with --set data.{name}=PATH")
+    return path
+
+
+def _load_data_file(config: Config, name: str, limit: PromptLimit) -> list[PromptRecord]:
+    """The records of data.<name>; says on rank 0 how many data.overlong_prompts changed."""
+    path = _data_path(config, name)
+    try:
+        records = load_prompts(path, limit)
+    except ValueError as error:
+        raise ValueError(f"data.{name}: {error}") from None
+    changed = limit.num_skipped or limit.num_truncated
+    if changed and is_rank_zero():
+        done = "skipped" if limit.num_skipped else "cut at the left to fit"
+        print(f"data.{name}: {changed} of {len(records) + limit.num_skipped} records longer than {limit.bound} "
+              f"{done} (data.overlong_prompts = {limit.overlong})")
+    return records

@@ -4,7 +4,9 @@ field, the value and the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from megacispo.parallel.layout import ParallelConfig
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where prompts and the tokenizer come from."""
+    """Where prompts and the tokenizer come from, and how long a prompt may be."""
 
     train_prompts: str = ""
     """JSONL file of RL prompts: {"prompt": ..., "answer": ..., extra fields go to the reward}."""
@@ -35,6 +37,10 @@ class DataConfig:
     """JSONL file of {"prompt", "answer"} pairs for the supervised warm start (megacispo.sft)."""
     tokenizer: str = ""
     """Path to a sentencepiece .model file (tools/train_tokenizer.py writes one)."""
+    max_prompt_tokens: int = 0
+    """Longest RL prompt, in tokens with BOS (0: model.max_position_embeddings - rollout.max_new_tokens)."""
+    overlong_prompts: str = "error"
+    """A longer prompt, or an SFT pair over the model's context: error, skip, or truncate_left (keep BOS and the end)."""
 
 
 @dataclass(kw_only=True)
@@ -88,7 +94,9 @@ class RLConfig:
     reward: str = "exact_match"
     """A verifier name (exact_match, numeric, boxed_math) or module:function."""
     failure_reward: float = 0.0
-    """The reward of a sample whose verifier raised."""
+    """The reward of a sample whose verifier raised or returned no number (a string, even '1.0', is none)."""
+    max_reward_failure_frac: float = 0.5
+    """Stop the run when the verifier fails on more than this fraction of a step's samples (1: never)."""
     overlong_max_length: int = 0
     """DAPO overlong shaping: responses longer than this get the full penalty (0: off)."""
     overlong_cache_length: int = 0
@@ -220,19 +228,30 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
         if not isinstance(value, list):
             raise ValueError(f"{path}: expected a list, got {value!r}")
         return list(value)
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if annotation is float and isinstance(value, str):
-        # YAML 1.1 reads 1e-3 (no dot) as a string.
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if annotation is float:
+        return _coerce_float(value, path)
     if annotation is Any or (isinstance(annotation, type) and isinstance(value, annotation)
                              and not (annotation is int and isinstance(value, bool))):
         return value
     name = getattr(annotation, "__name__", str(annotation))
     raise ValueError(f"{path}: expected {name}, got {value!r} ({type(value).__name__})")
+
+
+def _coerce_float(value: Any, path: str) -> float:
+    """An int, a float or a numeric string as a finite float: NaN or infinity would reach the optimizer
+    or the sampler unnoticed."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        # YAML 1.1 reads 1e-3 (no dot) as a string.
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    if number is None:
+        raise ValueError(f"{path}: expected float, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(number):
+        raise ValueError(f"{path}: expected a finite number, got {value!r}")
+    return number
 
 
 def _build(cls, values: dict, path: str):
@@ -277,19 +296,44 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ValueError(f"--set {text!r}: expected key=value, e.g. --set rl.loss.name=dapo")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    return key.strip(), _parse_yaml(raw, f"--set {text!r}")
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML; a syntax error becomes one line naming ``where``, the line and the column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        raise ValueError(
+            f"{where}: invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}; fix the syntax "
+            "(quote a value that holds YAML's special characters)"
+        ) from None
+    except yaml.YAMLError as error:  # e.g. a control character, which has no problem mark
+        raise ValueError(f"{where}: invalid YAML: {str(error).splitlines()[0]}; fix the text") from None
+
+
+def _read_config_file(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror}); fix its permissions") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--config {path}: not UTF-8 ({error.reason} at byte {error.start}); save it as UTF-8"
+        ) from None
+    tree = _parse_yaml(text, f"--config {path}") or {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"--config {path}: the top level must be a mapping of sections")
+    return tree
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Read a YAML file (or start from defaults), apply dotted overrides, build and validate."""
-    tree: dict = {}
-    if path:
-        file = Path(path)
-        if not file.is_file():
-            raise ValueError(f"--config {path}: no such file")
-        tree = yaml.safe_load(file.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ValueError(f"--config {path}: the top level must be a mapping of sections")
+    tree = _read_config_file(path) if path else {}
     for text in overrides:
         _set_dotted(tree, *parse_override(text))
     config = _build(Config, tree, "config")
@@ -297,52 +341,188 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     return config
 
 
-def validate_config(config: Config) -> None:
-    """Cross-field checks that no single section can make; names the field and the fix."""
-    from megacispo.losses import validate_policy_loss_params
+@dataclass(frozen=True)
+class _Range:
+    """Where a number must lie, written as its error message says it."""
 
-    rollout, rl, train = config.rollout, config.rl, config.train
-    positive = {
-        "rollout.prompts_per_step": rollout.prompts_per_step,
-        "rollout.max_new_tokens": rollout.max_new_tokens,
-        "rollout.max_sampling_rounds": rollout.max_sampling_rounds,
-        "rl.updates_per_rollout": rl.updates_per_rollout,
-        "train.steps": train.steps,
-        "train.micro_batch_size": train.micro_batch_size,
-        "train.keep_last": train.keep_last,
-        "sft.batch_size": config.sft.batch_size,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{name} = {value}: it must be at least 1")
-    for name, value in {"optimizer.decay_steps": config.optimizer.decay_steps, "sft.decay_steps": config.sft.decay_steps}.items():
-        if value < 0:
-            raise ValueError(f"{name} = {value}: it must be >= 0 (0: decay over the whole run)")
-    if rollout.group_size < 2:
-        raise ValueError(f"rollout.group_size = {rollout.group_size}: group-relative advantages need at least 2")
-    if rollout.temperature < 0:
-        raise ValueError(f"rollout.temperature = {rollout.temperature}: use 0 for greedy or a positive value")
-    if not 0 < rollout.top_p <= 1:
-        raise ValueError(f"rollout.top_p = {rollout.top_p}: it must be in (0, 1]")
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+_AT_LEAST_0, _AT_LEAST_1, _POSITIVE, _FRACTION = _Range(0), _Range(1), _Range(0, low_open=True), _Range(0, 1)
+
+# Every number of the run whose range does not follow from its type, by dotted field.
+_RANGES: dict[str, _Range] = {
+    "data.max_prompt_tokens": _Range(0, note="0: what the model's context leaves after rollout.max_new_tokens"),
+    "rollout.prompts_per_step": _AT_LEAST_1,
+    "rollout.group_size": _Range(2, note="group-relative advantages need at least 2 samples per prompt"),
+    "rollout.max_new_tokens": _AT_LEAST_1,
+    "rollout.temperature": _Range(0, note="0: greedy"),
+    "rollout.top_p": _Range(0, 1, low_open=True),
+    "rollout.top_k": _Range(0, note="0: off"),
+    "rollout.early_truncation_tokens": _Range(0, note="0: off"),
+    "rollout.early_truncation_prob": _FRACTION,
+    "rollout.max_sampling_rounds": _AT_LEAST_1,
+    "rl.updates_per_rollout": _AT_LEAST_1,
+    "rl.max_reward_failure_frac": _Range(0, 1, note="1: never stop"),
+    "rl.overlong_max_length": _Range(0, note="0: off"),
+    "rl.overlong_cache_length": _AT_LEAST_0,
+    "rl.overlong_penalty": _AT_LEAST_0,
+    "rl.advantage_eps": _AT_LEAST_0,
+    "optimizer.lr": _POSITIVE,
+    "optimizer.min_lr": _AT_LEAST_0,
+    "optimizer.warmup_steps": _AT_LEAST_0,
+    "optimizer.decay_steps": _Range(0, note="0: decay over the whole run"),
+    "optimizer.weight_decay": _AT_LEAST_0,
+    "optimizer.adam_beta1": _Range(0, 1, high_open=True),
+    "optimizer.adam_beta2": _Range(0, 1, high_open=True),
+    "optimizer.adam_eps": _POSITIVE,
+    "optimizer.clip_grad": _Range(0, note="0: off"),
+    "train.steps": _AT_LEAST_1,
+    "train.seed": _AT_LEAST_0,
+    "train.micro_batch_size": _AT_LEAST_1,
+    "train.checkpoint_every": _Range(0, note="0: only at the end"),
+    "train.keep_last": _AT_LEAST_1,
+    "train.eval_every": _Range(0, note="0: at the start and the end only"),
+    "train.max_nonfinite_skips": _AT_LEAST_0,
+    "sft.steps": _AT_LEAST_1,
+    "sft.batch_size": _AT_LEAST_1,
+    "sft.lr": _POSITIVE,
+    "sft.decay_steps": _Range(0, note="0: decay over sft.steps"),
+}
+
+
+def _value(config: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def validate_config(config: Config) -> None:
+    """Every value and every cross-field rule that needs neither the world size nor the model built;
+    each error names the field, the value and the fix."""
+    for name, allowed in _RANGES.items():
+        value = _value(config, name)
+        if value not in allowed:
+            raise ValueError(f"{name} = {value!r}: it must be {allowed}")
+    _check_choices(config)
+    _check_cross_fields(config)
+    _check_lengths(config)
+    _check_compile_decode(config)
+    check_precision_and_recompute(config.model, config.parallel, config.precision, config.recompute)
+
+
+def _check_choices(config: Config) -> None:
+    """Names: the run directory, the enumerations, the loss and its parameters, the reward (imported now)."""
+    from megacispo.data import OVERLONG_PROMPTS
+    from megacispo.losses import policy_loss_names, validate_policy_loss_params
+    from megacispo.rewards import get_reward_fn
+
+    rl = config.rl
+    if not config.train.run_dir:
+        raise ValueError("train.run_dir is empty: name the directory for the run's checkpoints and logs")
     if rl.old_logprobs not in ("recompute", "rollout"):
         raise ValueError(f"rl.old_logprobs = {rl.old_logprobs!r}: use recompute or rollout")
-    batch = rollout.prompts_per_step * rollout.group_size
-    if batch % rl.updates_per_rollout:
-        raise ValueError(
-            f"rl.updates_per_rollout = {rl.updates_per_rollout} does not divide the rollout batch of "
-            f"rollout.prompts_per_step * rollout.group_size = {batch} samples: choose a divisor"
-        )
+    if config.data.overlong_prompts not in OVERLONG_PROMPTS:
+        raise ValueError(f"data.overlong_prompts = {config.data.overlong_prompts!r}: use {', '.join(OVERLONG_PROMPTS)}")
+    if rl.loss.name not in policy_loss_names():
+        raise ValueError(f"rl.loss.name = {rl.loss.name!r}: use one of {', '.join(policy_loss_names())}")
     try:
         rl.loss.params = validate_policy_loss_params(rl.loss.name, rl.loss.params)
     except ValueError as error:
         raise ValueError(f"rl.loss: {error}") from None
+    try:
+        get_reward_fn(rl.reward)
+    except ValueError as error:
+        raise ValueError(f"rl.reward: {error}") from None
+
+
+def _check_cross_fields(config: Config) -> None:
+    rl, optimizer = config.rl, config.optimizer
+    if optimizer.min_lr > optimizer.lr:
+        raise ValueError(
+            f"optimizer.min_lr = {optimizer.min_lr} exceeds optimizer.lr = {optimizer.lr}: the schedule decays "
+            "from lr down to min_lr; lower min_lr"
+        )
     if rl.overlong_max_length and rl.overlong_cache_length > rl.overlong_max_length:
         raise ValueError(
             f"rl.overlong_cache_length = {rl.overlong_cache_length} exceeds rl.overlong_max_length = "
             f"{rl.overlong_max_length}: the ramp must fit below the limit"
         )
-    _check_compile_decode(config)
-    check_precision_and_recompute(config.model, config.parallel, config.precision, config.recompute)
+
+
+def _check_lengths(config: Config) -> None:
+    """A prompt and its response must fit in the model's context: nothing else bounds a rollout's memory."""
+    context, new_tokens = config.model.max_position_embeddings, config.rollout.max_new_tokens
+    if new_tokens >= context:
+        raise ValueError(
+            f"rollout.max_new_tokens = {new_tokens} leaves no room for a prompt in the model's context of "
+            f"model.max_position_embeddings = {context} tokens: lower it below {context}"
+        )
+    prompt_tokens = config.data.max_prompt_tokens
+    if prompt_tokens + new_tokens > context:
+        raise ValueError(
+            f"data.max_prompt_tokens = {prompt_tokens} + rollout.max_new_tokens = {new_tokens} exceeds the model's "
+            f"context of model.max_position_embeddings = {context} tokens: lower one of them "
+            f"(data.max_prompt_tokens = 0 takes what the context leaves, {context - new_tokens})"
+        )
+
+
+def max_prompt_tokens(config: Config) -> int:
+    """The longest RL prompt, in tokens with BOS: data.max_prompt_tokens, or what the context leaves."""
+    return config.data.max_prompt_tokens or config.model.max_position_embeddings - config.rollout.max_new_tokens
+
+
+def check_rl_batches(config: Config, data_parallel_size: int) -> None:
+    """The rollout batch splits evenly over the data-parallel ranks, then into the K updates and their
+    micro-batches: an uneven split leaves a rank without samples, found only after a rollout."""
+    rollout, updates = config.rollout, config.rl.updates_per_rollout
+    _check_split("rollout.prompts_per_step", rollout.prompts_per_step, data_parallel_size)
+    per_rank = rollout.prompts_per_step // data_parallel_size * rollout.group_size
+    if per_rank % updates:
+        raise ValueError(
+            f"rl.updates_per_rollout = {updates} does not divide the {per_rank} samples of each data-parallel rank "
+            f"(rollout.prompts_per_step / {data_parallel_size} ranks x rollout.group_size): "
+            f"choose a divisor of {per_rank}"
+        )
+    _check_micro_batches(config, per_rank // updates, "samples of each update")
+
+
+def check_sft_batches(config: Config, data_parallel_size: int) -> None:
+    """sft.batch_size splits evenly over the data-parallel ranks and into micro-batches."""
+    _check_split("sft.batch_size", config.sft.batch_size, data_parallel_size)
+    _check_micro_batches(config, config.sft.batch_size // data_parallel_size, "pairs of each SFT step")
+
+
+def _check_split(name: str, value: int, data_parallel_size: int) -> None:
+    if value % data_parallel_size:
+        raise ValueError(
+            f"{name} = {value} is not divisible by the data-parallel size {data_parallel_size} "
+            f"(world size / (TP x PP)): use a multiple of {data_parallel_size}"
+        )
+
+
+def _check_micro_batches(config: Config, per_rank: int, what: str) -> None:
+    size = config.train.micro_batch_size
+    if size < per_rank and per_rank % size:
+        raise ValueError(
+            f"train.micro_batch_size = {size} does not divide the {per_rank} {what} on a data-parallel rank: "
+            f"choose a divisor of {per_rank}, or {per_rank} or more for one micro-batch"
+        )
 
 
 def _check_compile_decode(config: Config) -> None:

@@ -2,7 +2,7 @@
 streaming tensor by tensor so that memory stays bounded whatever the model's size.
 
 Both directions run in one process. Megatron's distributed checkpoints are keyed by global tensor
-and reshard on load, so a checkpoint written here loads at any layout; ``tp/pp/ep`` are only
+and reshard on load, so a checkpoint written here loads at any layout; ``tp/pp/ep/etp`` are only
 validated against the model and recorded in meta.json.
 
 hf-to-megatron never builds the weights. It builds the model on the meta device (no memory) at
@@ -33,9 +33,9 @@ import dataclasses
 import io
 import json
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 import warnings
 import weakref
 from pathlib import Path
@@ -54,6 +54,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megacispo.checkpoint import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -67,16 +69,13 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 CLI_HELP = """Convert between Hugging Face MiniMax checkpoints and megacispo (Megatron distributed) checkpoints,
 streaming tensor by tensor (memory: a few tensors, never the model).
 
-    python tools/convert_checkpoint.py hf-to-megatron --hf-dir HF --out CKPT [--tp T --pp P --ep E]
+    python tools/convert_checkpoint.py hf-to-megatron --hf-dir HF --out CKPT [--tp T --pp P --ep E --etp X]
     python tools/convert_checkpoint.py megatron-to-hf --ckpt CKPT --out HF
 
-A checkpoint written here loads at any layout; --tp/--pp/--ep are validated and recorded in
+A checkpoint written here loads at any layout; --tp/--pp/--ep/--etp are validated and recorded in
 meta.json. Everything is written beside --out and renamed at the end: a failed conversion leaves
 nothing at --out. See docs/conversion.md."""
-# Megatron's torch_dist format files (megatron.core.dist_checkpointing): the backend record and
-# the common (non-sharded) state, which is empty for HybridModel.
-MEGATRON_CONFIG_FILE = "metadata.json"
-MEGATRON_COMMON_FILE = "common.pt"
+# What Megatron's metadata.json (checkpoint.MEGATRON_CONFIG_FILE) records; its common.pt is empty for HybridModel.
 MEGATRON_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                     "common_backend": "torch", "common_backend_version": 1}
 
@@ -514,7 +513,7 @@ def _write_meta(directory: Path, config_dict: dict, extra_state: dict) -> None:
                                           extra_state=extra_state, config_dict=config_dict))
 
 
-def _layout_parallel_config(config, tp: int, pp: int, ep: int):
+def _layout_parallel_config(config, tp: int, pp: int, ep: int, etp: int | None):
     """Validate the layout the checkpoint is meant for; TP > 1 with experts needs sequence parallelism."""
     import math
 
@@ -525,6 +524,7 @@ def _layout_parallel_config(config, tp: int, pp: int, ep: int):
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1,
     )
     smallest_world = math.lcm(tp * pp, parallel.expert_tp * ep * pp)
@@ -542,7 +542,10 @@ def _temporary_beside(out: Path) -> Iterator[Path]:
     """A fresh directory beside ``out`` (checked not to exist), renamed to ``out`` when the block
     succeeds and removed when it fails: a failed conversion leaves nothing behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=f".tmp_{out.name}_", dir=out.parent))
+    # Made by mkdir, whose mode the umask decides as for the user's other directories (mkdtemp's
+    # would be 0700, and the rename would keep it).
+    temporary = out.parent / f".tmp_{out.name}_{secrets.token_hex(8)}"
+    temporary.mkdir()
     try:
         yield temporary
         os.rename(temporary, out)
@@ -558,14 +561,16 @@ def hf_to_megatron(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    etp: int | None = None,
     rotary_dim: int | None = None,
     dtype: str = "auto",
     progress: bool = True,
     meter: TensorMeter | None = None,
 ) -> Path:
     """Convert an HF directory into a megacispo checkpoint root ``out`` (holding step_00000000).
-    Returns the step directory. Nothing is left at ``out`` when it fails. ``meter`` counts the
-    bytes of the tensors held at once."""
+    Returns the step directory. Nothing is left at ``out`` when it fails. ``tp/pp/ep/etp``: the layout
+    recorded in meta.json (etp None: the same as tp). ``meter`` counts the bytes of the tensors held
+    at once."""
     from megacispo.checkpoint import checkpoint_dir
     from megacispo.config import Config, to_dict
     from megacispo.models import hf_names
@@ -574,7 +579,7 @@ def hf_to_megatron(
     _check_new(out)
     checkpoint = read_hf_checkpoint(hf_dir)
     config = hf_names.config_from_hf(checkpoint.config, rotary_dim=rotary_dim)
-    parallel = _layout_parallel_config(config, tp, pp, ep)
+    parallel = _layout_parallel_config(config, tp, pp, ep, etp)
     layout = hf_names.detect_experts_layout(checkpoint.file_of)
     mappings = hf_names.tensor_mappings(config, layout)
     check_no_unknown_tensors(checkpoint, mappings)
@@ -839,6 +844,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_megatron.add_argument("--tp", type=int, default=1, help="tensor-parallel size to validate and record")
     to_megatron.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to validate and record")
     to_megatron.add_argument("--ep", type=int, default=1, help="expert-parallel size to validate and record")
+    to_megatron.add_argument("--etp", type=int, default=None,
+                             help="expert tensor-parallel size to validate and record (default: --tp)")
     to_megatron.add_argument("--rotary-dim", type=int, default=None,
                              help="rotated channels per head (default: config.json's rotary_dim, else head_dim "
                                   "as HF transformers computes; the original MiniMax uses head_dim / 2)")
@@ -859,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
     try:
         if args.command == "hf-to-megatron":
-            path = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
+            path = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                                   rotary_dim=args.rotary_dim, dtype=args.dtype, progress=not args.no_progress)
         else:
             path = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_bytes,

@@ -11,6 +11,11 @@ Token layout shared by SFT and rollout (``encode_prompt``, ``build_sft_example``
 
     prompt ids   = [BOS] + encode(prompt)
     response ids = encode(answer) + [EOS]        (the SFT target; rollout samples its own)
+
+Loaded with a ``PromptLimit``, each prompt is tokenized once, as its line is read, and a record that
+would make more tokens than the limit raises, is skipped or loses the start of its prompt
+(``data.overlong_prompts``): a prompt longer than the model's context would otherwise grow the
+rollout's memory without bound.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ import json
 import os
 import random
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
 REQUIRED_FIELDS = ("prompt", "answer")
+OVERLONG_PROMPTS = ("error", "skip", "truncate_left")
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,8 @@ class PromptRecord:
     prompt: str
     answer: str
     extra: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: tuple[int, ...] = field(default=(), repr=False)
+    """[BOS] + the prompt's tokens as a PromptLimit left them; empty for a record loaded without one."""
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "answer": self.answer, **self.extra}
@@ -67,8 +75,53 @@ def _parse_line(text: str, path: Path, line_number: int) -> PromptRecord:
     return PromptRecord(prompt=value["prompt"], answer=value["answer"], extra=extra)
 
 
-def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
-    """Read a prompts JSONL file. Blank lines are skipped; any bad line raises ValueError (path:line)."""
+@dataclass
+class PromptLimit:
+    """Tokenizes each record's prompt once and holds the tokens the record makes to ``max_tokens``."""
+
+    tokenizer: TokenizerLike
+    max_tokens: int
+    """The most tokens a record may make: [BOS] + prompt (+ answer + EOS with ``with_answer``)."""
+    bound: str
+    """The limit as an error names it, e.g. "data.max_prompt_tokens = 4080"."""
+    overlong: str = "error"
+    """data.overlong_prompts: error, skip, or truncate_left (drop prompt tokens after BOS until it fits)."""
+    with_answer: bool = False
+    """Count the answer and EOS too: an SFT pair must fit whole."""
+    num_skipped: int = 0
+    """Records dropped so far by overlong = skip."""
+    num_truncated: int = 0
+    """Records shortened so far by overlong = truncate_left."""
+
+    def fit(self, record: PromptRecord, where: str) -> PromptRecord | None:
+        """``record`` with its prompt ids, None when it is skipped; raises when it cannot be made to fit."""
+        prompt_ids = encode_prompt(self.tokenizer, record.prompt)
+        num_answer_tokens = len(self.tokenizer.encode(record.answer)) + 1 if self.with_answer else 0
+        excess = len(prompt_ids) + num_answer_tokens - self.max_tokens
+        if excess > 0 and self.overlong == "skip":
+            self.num_skipped += 1
+            return None
+        if excess > 0 and self.overlong == "truncate_left" and excess < len(prompt_ids):
+            self.num_truncated += 1
+            prompt_ids = prompt_ids[:1] + prompt_ids[1 + excess:]
+        elif excess > 0:
+            raise ValueError(self._overlong_error(where, excess + self.max_tokens, num_answer_tokens))
+        return replace(record, prompt_ids=tuple(prompt_ids))
+
+    def _overlong_error(self, where: str, num_tokens: int, num_answer_tokens: int) -> str:
+        what = "pair ([BOS] + prompt + answer + EOS)" if self.with_answer else "prompt ([BOS] + prompt)"
+        if self.overlong == "truncate_left":
+            return (f"{where}: the {what} is {num_tokens} tokens, more than {self.bound}, and its answer alone "
+                    f"({num_answer_tokens} tokens with EOS) leaves no room for the prompt; shorten the answer or "
+                    "set data.overlong_prompts to skip")
+        return (f"{where}: the {what} is {num_tokens} tokens, more than {self.bound}; shorten it, or set "
+                "data.overlong_prompts to skip or truncate_left")
+
+
+def load_prompts(path: str | os.PathLike, limit: PromptLimit | None = None) -> list[PromptRecord]:
+    """Read a prompts JSONL file (RL prompts, or SFT pairs: the target of each is its answer and EOS).
+    Blank lines are skipped; any bad line raises ValueError (path:line). With ``limit``, each record
+    is tokenized and fitted to it as its line is read."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompt file {str(path)!r} does not exist or is not a file; fix the path")
@@ -79,19 +132,24 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
                 text = raw_line.decode("utf-8")
             except UnicodeDecodeError as error:
                 raise ValueError(f"{path}:{line_number}: not UTF-8 ({error.reason}); save the file as UTF-8") from error
-            if text.strip():
-                records.append(_parse_line(text, path, line_number))
+            if not text.strip():
+                continue
+            record = _parse_line(text, path, line_number)
+            if limit is not None:
+                record = limit.fit(record, f"{path}:{line_number}")
+            if record is not None:
+                records.append(record)
+    if not records and limit is not None and limit.num_skipped:
+        raise ValueError(
+            f"{path}: all {limit.num_skipped} records are longer than {limit.bound} and data.overlong_prompts = "
+            "skip left none; shorten them, or set data.overlong_prompts to truncate_left"
+        )
     if not records:
         raise ValueError(
             f"{path}: no records (the file is empty or blank); "
             'write one JSON object per line like {"prompt": "12+7=", "answer": "19"}'
         )
     return records
-
-
-def load_sft_pairs(path: str | os.PathLike) -> list[PromptRecord]:
-    """SFT pairs use the prompt format; the target of each is its answer followed by EOS."""
-    return load_prompts(path)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -138,6 +196,11 @@ def encode_prompt(tokenizer: TokenizerLike, prompt: str) -> list[int]:
     return [tokenizer.bos_id] + tokenizer.encode(prompt)
 
 
+def prompt_token_ids(tokenizer: TokenizerLike, record: PromptRecord) -> list[int]:
+    """The prompt ids of ``record``: those its PromptLimit stored, or [BOS] + prompt for a record made in code."""
+    return list(record.prompt_ids) or encode_prompt(tokenizer, record.prompt)
+
+
 @dataclass(frozen=True)
 class SFTExample:
     """One prompt + target sequence for next-token prediction."""
@@ -150,7 +213,7 @@ class SFTExample:
 
 def build_sft_example(tokenizer: TokenizerLike, record: PromptRecord, max_length: int | None = None) -> SFTExample:
     """Tokenize ``record``; a sequence longer than ``max_length`` raises instead of being truncated."""
-    prompt_ids = encode_prompt(tokenizer, record.prompt)
+    prompt_ids = prompt_token_ids(tokenizer, record)
     token_ids = prompt_ids + tokenizer.encode(record.answer) + [tokenizer.eos_id]
     if max_length is not None and len(token_ids) > max_length:
         raise ValueError(

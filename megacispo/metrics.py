@@ -215,7 +215,8 @@ class MetricsLogger:
     """Writes a run's scalars on the logging rank (``enabled``); elsewhere every call does nothing.
 
     ``MetricsLogger(run_dir, enabled=is_logging_rank())``; ``log(step, metrics)`` once per step;
-    ``close()`` at the end (or use it as a context manager).
+    ``close()`` at the end (or use it as a context manager). The event file is created by the first
+    ``log``: a run that fails before it leaves nothing in its run directory.
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool, console: bool = True) -> None:
@@ -223,10 +224,6 @@ class MetricsLogger:
         self.console = console
         self.log_dir = Path(run_dir) / TENSORBOARD_DIR
         self._writer = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def log(
         self,
@@ -240,6 +237,10 @@ class MetricsLogger:
         if not self.enabled:
             return
         values = {key: _as_float(key, value) for key, value in metrics.items()}
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
         for key, value in values.items():
             self._writer.add_scalar(key, value, step)
             if consumed_samples is not None:

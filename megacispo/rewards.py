@@ -4,6 +4,11 @@ Every reward has the signature ``reward(response: str, record: PromptRecord) -> 
 record carries the reference answer and the prompt line's extra fields. ``get_reward_fn`` takes a
 registered name (``exact_match``, ``numeric``, ``boxed_math``) or a user function as
 ``module:function``, imported at start-up so a typo fails before the first rollout.
+
+A reward is a number: a float or an int, a bool (True is 1.0, as ``float(response == answer)``
+would be) or a numpy or torch scalar. A string is not, even "1.0": it is a failure, like a raise,
+NaN or infinity. A sample whose reward fails gets rl.failure_reward; a step whose samples fail
+more often than rl.max_reward_failure_frac stops the run (``RewardFailureError``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import inspect
 import logging
 import math
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable, Sequence
 
@@ -260,14 +266,30 @@ def _score_one(reward_fn: RewardFn, response: str, record: PromptRecord) -> tupl
         reward = reward_fn(response, record)
     except Exception as error:
         return None, f"raised {type(error).__name__}: {error}"
+    not_a_number = f"returned {type(reward).__name__} {reward!r}, not a number"
+    # float() would parse '1.0': a verifier that returns text has a bug, and its text is no reward.
+    if isinstance(reward, (str, bytes)):
+        return None, not_a_number
     try:
         reward = float(reward)
     except (TypeError, ValueError):
-        return None, f"returned {type(reward).__name__} {reward!r}, not a number"
+        return None, not_a_number
     # A NaN or inf reward would poison every advantage of its group.
     if not math.isfinite(reward):
         return None, f"returned {reward}"
     return reward, ""
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The rewards of a batch of responses and how often the verifier failed on them."""
+
+    rewards: list[float]
+    """One per response; failure_reward where the verifier failed."""
+    num_failures: int
+    """Responses whose verifier raised or returned no finite number."""
+    first_failure: str
+    """The first failure, with its prompt and response (truncated); empty when none failed."""
 
 
 def score_responses(
@@ -275,8 +297,8 @@ def score_responses(
     responses: Sequence[str],
     records: Sequence[PromptRecord],
     failure_reward: float,
-) -> tuple[list[float], int]:
-    """Reward every (response, record) pair; return (rewards, num_failures).
+) -> Scores:
+    """Reward every (response, record) pair.
 
     A reward that raises, or returns a non-number or a non-finite value, is logged as a warning
     with the sample's prompt and response (truncated) and scored ``failure_reward``: one bad
@@ -289,20 +311,17 @@ def score_responses(
         )
     rewards = []
     num_failures = 0
+    first_failure = ""
     for response, record in zip(responses, records):
         reward, failure = _score_one(reward_fn, response, record)
         if reward is None:
             num_failures += 1
             reward = failure_reward
             if num_failures <= MAX_LOGGED_FAILURES:
-                logger.warning(
-                    "reward %s %s for prompt %s, response %s; scored %s",
-                    getattr(reward_fn, "__name__", repr(reward_fn)),
-                    failure,
-                    _truncate(record.prompt),
-                    _truncate(response),
-                    failure_reward,
-                )
+                described = f"{failure} for prompt {_truncate(record.prompt)}, response {_truncate(response)}"
+                first_failure = first_failure or described
+                logger.warning("reward %s %s; scored %s", getattr(reward_fn, "__name__", repr(reward_fn)),
+                               described, failure_reward)
         rewards.append(reward)
     if num_failures > MAX_LOGGED_FAILURES:
         logger.warning(
@@ -311,4 +330,16 @@ def score_responses(
             len(responses),
             MAX_LOGGED_FAILURES,
         )
-    return rewards, num_failures
+    return Scores(rewards, num_failures, first_failure)
+
+
+class RewardFailureError(ValueError):
+    """Stops a run whose verifier fails too often: training on failure_reward alone would teach the
+    policy nothing while looking like a run. Raised on every rank alike (the fraction is reduced)."""
+
+    def __init__(self, spec: str, failure_frac: float, max_failure_frac: float, first_failure: str):
+        super().__init__(
+            f"rl.reward = {spec!r} failed on {failure_frac:.0%} of a step's samples, more than "
+            f"rl.max_reward_failure_frac = {max_failure_frac}; the first: {first_failure}. Fix the reward function "
+            "(a reward is a number), or raise rl.max_reward_failure_frac"
+        )

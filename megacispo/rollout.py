@@ -9,6 +9,7 @@ full distribution and draws the same token from an identically seeded generator.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,7 @@ def generate(
     generator: torch.Generator,
     lockstep_group: dist.ProcessGroup | None = None,
     show_progress: bool = False,
+    interrupt: Callable[[], None] | None = None,
 ) -> Samples:
     """Sample one response per prompt (repeat a prompt G times for a group).
 
@@ -97,18 +99,20 @@ def generate(
     ``lockstep_group``: ranks whose forward passes communicate with each other beyond tensor
     parallelism (expert parallelism's all-to-all spans data-parallel ranks): they all decode until
     every one of them has finished, so each runs the same number of forward passes.
+    ``interrupt``: called before every decode step (so at the same steps on every rank); what it
+    raises abandons the rollout (the trainer's SIGTERM check).
     """
     was_training = model.training
     # Decoding is inference: Megatron's MoE layer refuses TP without sequence parallelism in
     # training mode, and the model switches sequence parallelism off for single-token steps.
     model.eval()
     try:
-        return _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress)
+        return _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress, interrupt)
     finally:
         model.train(was_training)
 
 
-def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress) -> Samples:
+def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress, interrupt) -> Samples:
     device = generator.device
     num_samples = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -126,6 +130,8 @@ def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group,
     response_lengths = torch.zeros(num_samples, dtype=torch.long, device=device)
     steps = tqdm(range(config.max_new_tokens), desc="rollout", leave=False, disable=not show_progress)
     for t in steps:
+        if interrupt is not None:
+            interrupt()
         tokens, logprobs, probs = sample_tokens(next_logits, config, generator)
         active = ~finished
         responses[active, t] = tokens[active]

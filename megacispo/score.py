@@ -1,7 +1,7 @@
 """Score token sequences with a checkpoint: per-token log-probabilities of the model.
 
     torchrun --nproc-per-node N -m megacispo.score --load CKPT --tokens in.jsonl --out out.jsonl \
-        [--tp T --pp P --ep E]
+        [--tp T --pp P --ep E --etp X]
 
 Each input line is a JSON object with "tokens": [ids]; the output line is the same object plus
 "logprobs", where logprobs[i] = log p(tokens[i + 1] | tokens[: i + 1]) (length len(tokens) - 1),
@@ -9,10 +9,12 @@ computed in fp32 from the model's vocab-sharded logits with vocab_parallel_logpr
 group. --load is a megacispo checkpoint (a step_* directory, or a checkpoints root: its newest
 step) or a Hugging Face directory, which rank 0 first converts into a temporary directory beside
 --out with megacispo.convert (in a subprocess: the converter needs a world of its own). The
-sequences are split over the data-parallel ranks, one sequence per forward; rank 0 writes --out atomically. The forward runs through Megatron's schedule, so
---pp > 1 splits the layers into stages. With TP > 1 the model runs with sequence parallelism, as megacispo trains it:
-each sequence is padded at its end to a multiple of TP (causal, so earlier positions do not see
-the padding; the MoE drops no tokens).
+sequences are split over the data-parallel ranks, one sequence per forward; rank 0 writes --out
+atomically. The forward runs through Megatron's schedule, so --pp > 1 splits the layers into
+stages; --ep spreads the experts over ranks and --etp splits each expert (default: --tp; --etp 1
+keeps experts whole, so that --tp 2 --ep 2 --etp 1 runs on 2 processes). With TP > 1 the model
+runs with sequence parallelism, as megacispo trains it: each sequence is padded at its end to a
+multiple of TP (causal, so earlier positions do not see the padding; the MoE drops no tokens).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert tensor-parallel size (default: --tp; 1 keeps every expert whole)")
     return parser
 
 
@@ -86,19 +91,17 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any
 
 def model_config_of(load: str | os.PathLike):
     """(HybridModelConfig, params dtype name) of --load, read before any process group exists."""
-    from megacispo.checkpoint import latest_checkpoint, read_meta
+    from megacispo.checkpoint import CheckpointError, read_meta, resolve_checkpoint
     from megacispo.models import hf_names
     from megacispo.models.config import HybridModelConfig
 
     load = Path(load)
     if is_hf_directory(load):
         return hf_names.config_from_hf(json.loads((load / HF_CONFIG).read_text())), None
-    step_dir = load if (load / "meta.json").is_file() else latest_checkpoint(load)
-    if step_dir is None:
-        raise ValueError(
-            f"--load {load}: neither an HF directory (config.json), a megacispo checkpoint (meta.json) nor a "
-            f"checkpoints root with complete step_* directories."
-        )
+    try:
+        step_dir = resolve_checkpoint(load)
+    except CheckpointError as error:
+        raise CheckpointError(f"--load: {error}") from None
     meta = read_meta(step_dir)
     if not meta.get("config") or "model" not in meta["config"]:
         raise ValueError(f"--load {step_dir}: its meta.json has no config.model.")
@@ -111,7 +114,7 @@ def parallel_config(args: argparse.Namespace, config, world_size: int):
 
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep,
-        sequence_parallel=args.tp > 1,
+        expert_tensor_parallel_size=args.etp, sequence_parallel=args.tp > 1,
     )
     validate_layout(parallel, world_size, model_shape(config))
     return parallel
@@ -236,16 +239,18 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
 def _write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".tmp_{path.name}_", dir=path.parent)
+    # Created by open(), whose mode the umask decides as for any other file the user writes
+    # (mkstemp's would be 0600); "x" refuses a name that exists.
+    temporary = path.with_name(f".tmp_{path.name}_{secrets.token_hex(8)}")
     try:
-        with os.fdopen(descriptor, "w") as file:
+        with open(temporary, "x") as file:
             for record in records:
                 file.write(json.dumps(record) + "\n")
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
 
 
@@ -254,6 +259,7 @@ def run(argv: list[str] | None = None) -> None:
     state is torn down), so that one process can score several times (tests)."""
     from megatron.core import parallel_state
 
+    from megacispo.checkpoint import CheckpointError
     from megacispo.cli import bad_input_exits
     from megacispo.parallel.layout import init_distributed, world_size_from_env
 
@@ -265,7 +271,8 @@ def run(argv: list[str] | None = None) -> None:
         records = read_records(args.tokens, config.vocab_size)
     init_distributed(parallel, seed=0)
     try:
-        score(args.load, args.out, config, parallel, records, params_dtype)
+        with bad_input_exits(CheckpointError):  # raised on every rank alike
+            score(args.load, args.out, config, parallel, records, params_dtype)
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -12,23 +12,25 @@ from pathlib import Path
 
 import torch
 
-from megacispo.cli import bad_input_exits, build_parser, load_tokenizer, plan, start_up
-from megacispo.data import load_sft_pairs
+from megacispo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_checkpoint
+from megacispo.cli import bad_input_exits, build_parser, load_sft_data, load_tokenizer, plan, start_up
+from megacispo.config import check_sft_batches
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(__doc__, load_field="sft.load").parse_args(argv)
     with bad_input_exits():
-        config, world_size = start_up(args)
+        config, world_size = start_up(args, check_sft_batches)
         if args.dry_run:
             print(plan(config, world_size))
             return 0
-        pairs = load_sft_pairs(config.data.sft_pairs)
         tokenizer = load_tokenizer(config)
+        pairs = load_sft_data(config, tokenizer)
+        # Checked before anything is built.
+        weights = weights_checkpoint("sft.load", config.sft.load, config.model) if config.sft.load else None
 
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
     from megacispo.config import to_dict
     from megacispo.data import PromptSampler, build_sft_example, collate_sft
     from megacispo.engine import Engine
@@ -39,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     sft = config.sft
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr, decay_steps=sft.decay_steps)
-    if sft.load:
-        load_checkpoint(resolve_checkpoint(sft.load), engine.module, load_rng=False)
+    if weights is not None:
+        with bad_input_exits(CheckpointError):  # raised on every rank alike
+            load_checkpoint(weights, engine.module, load_rng=False)
     out_dir = Path(sft.out or Path(config.train.run_dir) / "sft")
     logger = MetricsLogger(str(out_dir), enabled=is_logging_rank())
     sampler = PromptSampler(pairs, seed=config.train.seed)

@@ -3,10 +3,18 @@
     prompts -> rollouts (G samples each) -> rewards -> overlong shaping -> group-relative advantages
     -> dynamic sampling -> old log-probs (recomputed by the training engine) -> K mini-batch updates
     with the policy loss from the registry -> metrics -> periodic checkpoint
+
+SIGTERM (a cluster's preemption, reaching any rank directly or through torchrun) stops the run
+promptly with the last completed step saved. The ranks agree on it at points every rank passes in
+the same order: before each step, before every decode step of its rollouts and before its updates.
+Up to its updates a step changes nothing a checkpoint holds but the sampler position and the RNG
+states, so a step stopped there is abandoned (those two go back to where it began) and the previous
+step is saved. Once the updates have begun the step finishes and is saved: its weights have moved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +24,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megacispo.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
-from megacispo.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megacispo.checkpoint import (
+    CheckpointError,
+    capture_rng,
+    check_model,
+    find_checkpoints,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    weights_checkpoint,
+)
 from megacispo.config import Config, to_dict
-from megacispo.data import PromptRecord, PromptSampler, encode_prompt
+from megacispo.data import PromptRecord, PromptSampler, prompt_token_ids
 from megacispo.engine import Engine
 from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
 from megacispo.metrics import MetricsLogger, Timer, moe_load_balance, pearson_correlation
 from megacispo.parallel.layout import broadcast_from_last_stage
-from megacispo.rewards import get_reward_fn, score_responses
+from megacispo.rewards import RewardFailureError, get_reward_fn, score_responses
 from megacispo.rollout import Samples, generate, response_token_ids
 from megacispo.tokenizer import Tokenizer
 
@@ -50,6 +67,46 @@ class TrainBatch:
 
     def slice(self, start: int, stop: int) -> TrainBatch:
         return TrainBatch(*(None if value is None else value[start:stop] for value in vars(self).values()))
+
+
+@dataclass
+class StartPlan:
+    """Where a run starts, checked by ``plan_start`` before anything is built."""
+
+    resuming: bool
+    """--resume was asked for."""
+    checkpoints: dict[Path, str | None]
+    """With --resume, the run's checkpoints, oldest first, with why each does not verify (None when it
+    does): the newest that loads is resumed. Empty: the run starts afresh, from train.load if set."""
+
+
+def checkpoint_root(config: Config) -> Path:
+    return Path(config.train.run_dir) / "checkpoints"
+
+
+def plan_start(config: Config, resume: bool) -> StartPlan:
+    """Check the checkpoints a run will read before anything is built: with ``resume`` the run's own
+    (one at least must verify if there are any, and those must hold config.model), else train.load's.
+    CheckpointError naming the file and the fix."""
+    root = checkpoint_root(config)
+    checkpoints = find_checkpoints(root) if resume else {}
+    verified = [path for path, problem in checkpoints.items() if problem is None]
+    if checkpoints and not verified:
+        problems = "; ".join(f"{path.name}: {problem}" for path, problem in checkpoints.items())
+        raise CheckpointError(f"--resume: no checkpoint under {root} verifies ({problems}): move them away to start "
+                              f"afresh.")
+    try:
+        for path in verified:
+            check_model(path, config.model)
+    except CheckpointError as error:
+        raise CheckpointError(f"--resume: {error}") from None
+    if not verified and config.train.load:
+        weights_checkpoint("train.load", config.train.load, config.model)
+    return StartPlan(resume, checkpoints)
+
+
+class StepAbandoned(Exception):
+    """Every rank agreed on SIGTERM before the step's updates: nothing of the step is kept."""
 
 
 class ExpertLoadTracker:
@@ -90,12 +147,15 @@ class Trainer:
     """Runs the RL steps of ``config`` on this rank."""
 
     def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
-                 train_records: list[PromptRecord], test_records: list[PromptRecord], logger: MetricsLogger):
+                 train_records: list[PromptRecord], test_records: list[PromptRecord], logger: MetricsLogger,
+                 prompt_metrics: dict[str, float] | None = None):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.test_records = test_records
         self.logger = logger
+        # What loading did to the prompts (data/*: skipped or truncated for length), logged with the first evaluation.
+        self.prompt_metrics = prompt_metrics or {}
         self.reward_fn = get_reward_fn(config.rl.reward)
         self.sampler = PromptSampler(train_records, seed=config.train.seed)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -106,6 +166,7 @@ class Trainer:
         self.consumed_samples = 0
         self._stop_requested = False
         self.stopped_by_signal = False
+        self._saved_step: int | None = None
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -113,9 +174,12 @@ class Trainer:
         """Train to config.train.steps; returns the held-out accuracy before and after."""
         signal.signal(signal.SIGTERM, self._request_stop)
         accuracy = {"before": self.evaluate()}
-        self.logger.log(self.step, {"eval/accuracy": accuracy["before"]})
+        self.logger.log(self.step, {"eval/accuracy": accuracy["before"], **self.prompt_metrics})
         while self.step < self.config.train.steps and not self._stop_agreed():
-            metrics = self.rl_step()
+            try:
+                metrics = self.rl_step()
+            except StepAbandoned:
+                break
             self.step += 1
             self.logger.log(self.step, metrics, consumed_samples=self.consumed_samples)
             every = self.config.train.eval_every
@@ -131,11 +195,14 @@ class Trainer:
         return accuracy
 
     def rl_step(self) -> dict[str, float]:
+        """One step; StepAbandoned when SIGTERM is agreed before its updates."""
         timer = Timer(self.engine.device)
-        with timer("rollout"):
-            batch, rollout_metrics = self.collect_rollouts()
-        with timer("old_logprobs"):
-            batch.old_logprobs = self.compute_old_logprobs(batch)
+        with self._abandonable():
+            with timer("rollout"):
+                batch, rollout_metrics = self.collect_rollouts()
+            with timer("old_logprobs"):
+                batch.old_logprobs = self.compute_old_logprobs(batch)
+            self._abandon_if_stopped()
         mask = batch.loss_mask.bool()
         rollout_probs, train_probs = self._gather_over_dp(batch.rollout_logprobs[mask].exp(), batch.old_logprobs[mask].exp())
         rollout_metrics["rollout/train_rollout_prob_corr"] = pearson_correlation(rollout_probs, train_probs)
@@ -163,7 +230,8 @@ class Trainer:
         quota = rollout.prompts_per_step // self.dp_size
         kept: list[tuple[Samples, torch.Tensor, torch.Tensor]] = []
         spare: list[tuple[Samples, torch.Tensor, torch.Tensor]] = []
-        stats = {"rewards": [], "lengths": [], "truncated": 0.0, "failures": 0.0, "groups": 0.0, "dropped": 0.0}
+        stats = {"rewards": [], "lengths": [], "truncated": 0.0, "failures": 0.0, "first_failure": "", "groups": 0.0,
+                 "dropped": 0.0}
         for _ in range(rollout.max_sampling_rounds):
             records = self.sampler.next_batch(quota * self.dp_size)[self.dp_rank * quota:(self.dp_rank + 1) * quota]
             samples, rewards = self._sample_and_score(records, stats)
@@ -180,26 +248,29 @@ class Trainer:
                 break
         chosen = (kept + spare)[:quota]
         metrics = self._rollout_metrics(stats, chosen)
+        self._check_reward_health(metrics["rollout/reward_failure_frac"], stats["first_failure"])
         return self._to_train_batch(chosen), metrics
 
     def _sample_and_score(self, records: list[PromptRecord], stats: dict) -> tuple[Samples, torch.Tensor]:
         rollout = self.config.rollout
-        prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records for _ in range(rollout.group_size)]
+        prompts = [prompt_token_ids(self.tokenizer, r) for r in records for _ in range(rollout.group_size)]
         samples = generate(
             self.engine.module, prompts, rollout, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
             generator=self._generator(), lockstep_group=self.engine.dp_group, show_progress=self.logger.enabled,
+            interrupt=self._abandon_if_stopped,
         )
         texts = [self._response_text(samples, row) for row in range(len(prompts))]
         repeated = [r for r in records for _ in range(rollout.group_size)]
-        rewards, failures = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
-        rewards = torch.tensor(rewards, dtype=torch.float32, device=self.engine.device)
+        scores = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
+        rewards = torch.tensor(scores.rewards, dtype=torch.float32, device=self.engine.device)
         stats["rewards"].append(rewards.clone())
         if self.config.rl.overlong_max_length:
             rewards = rewards + overlong_penalty(samples.response_lengths, self.config.rl.overlong_max_length,
                                                  self.config.rl.overlong_cache_length, self.config.rl.overlong_penalty)
         stats["lengths"].append(samples.response_lengths.float())
         stats["truncated"] += float(samples.truncated_early.sum())
-        stats["failures"] += failures
+        stats["failures"] += scores.num_failures
+        stats["first_failure"] = stats["first_failure"] or scores.first_failure
         return samples, rewards
 
     def _response_text(self, samples: Samples, row: int) -> str:
@@ -251,10 +322,21 @@ class Trainer:
             "rollout/response_length_max": max_length,
             "rollout/early_truncated_frac": truncated / n,
             "rollout/reward_failures": failures,
+            "rollout/reward_failure_frac": failures / n,
             "rollout/dynamic_sampling_dropped_frac": dropped / max(groups, 1.0),
             "advantage/mean": adv_sum / n_adv,
             "advantage/abs_mean": adv_abs / n_adv,
         }
+
+    def _check_reward_health(self, failure_frac: float, first_failure: str) -> None:
+        """Stop when the verifier failed on too many of the step's samples. The fraction is reduced
+        over the data-parallel ranks, so every rank stops at the same step."""
+        if failure_frac <= self.config.rl.max_reward_failure_frac:
+            return
+        first_failures: list = [None] * self.dp_size
+        dist.all_gather_object(first_failures, first_failure, group=self.engine.dp_group)
+        raise RewardFailureError(self.config.rl.reward, failure_frac, self.config.rl.max_reward_failure_frac,
+                                 next(text for text in first_failures if text))
 
     # -- training-engine passes ---------------------------------------------------------------------
 
@@ -336,64 +418,100 @@ class Trainer:
             return float("nan")
         records = self.test_records[self.dp_rank::self.dp_size]
         greedy = type(self.config.rollout)(**{**vars(self.config.rollout), "temperature": 0.0})
-        prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records]
+        prompts = [prompt_token_ids(self.tokenizer, r) for r in records]
         samples = generate(self.engine.module, prompts, greedy, eos_id=self.tokenizer.eos_id,
                            pad_id=self.tokenizer.pad_id, generator=torch.Generator(device=self.engine.device),
                            lockstep_group=self.engine.dp_group)
         texts = [self._response_text(samples, row) for row in range(len(records))]
-        rewards, _ = score_responses(self.reward_fn, texts, records, self.config.rl.failure_reward)
+        rewards = score_responses(self.reward_fn, texts, records, self.config.rl.failure_reward).rewards
         correct = self._all_reduce_sum(float(sum(r >= 1.0 for r in rewards)))
         return correct / len(self.test_records)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save(self) -> None:
+        """The checkpoint of the current step, unless it is the one just saved or resumed from."""
+        if self._saved_step == self.step:
+            return
         save_checkpoint(
-            self._checkpoint_root(), self.step, self.engine.module, self.engine.optimizer, self.engine.scheduler,
+            checkpoint_root(self.config), self.step, self.engine.module, self.engine.optimizer, self.engine.scheduler,
             extra_state={"sampler": self.sampler.state_dict(), "consumed_samples": self.consumed_samples,
                          "num_skipped_updates": self.num_skipped_updates},
             config_dict=to_dict(self.config), keep_last=self.config.train.keep_last,
         )
+        self._saved_step = self.step
+
+    def start(self, plan: StartPlan) -> None:
+        """Load what ``plan_start`` checked: the newest of the run's checkpoints that loads (passing over
+        those that do not verify, and those whose shards do not read back), or for a fresh start
+        train.load's weights. CheckpointError, on every rank alike, when none loads."""
+        for path, problem in reversed(plan.checkpoints.items()):
+            if problem is None:
+                try:
+                    self._resume_from(path)
+                    self._say(f"--resume: continuing from {path}")
+                    return
+                except CheckpointError as error:
+                    problem = str(error)
+            self._say(f"--resume: skipped {path.name}: {problem}")
+        if plan.checkpoints:
+            raise CheckpointError(f"--resume: no checkpoint under {checkpoint_root(self.config)} loads (above): move "
+                                  f"them away to start afresh.")
+        if plan.resuming:
+            self._say(f"--resume: no checkpoint under {checkpoint_root(self.config)}; starting afresh")
+        self.load_initial_weights()
 
     def load_initial_weights(self) -> None:
         """The weights a fresh run starts from: train.load (e.g. the SFT checkpoint), if set."""
         if self.config.train.load:
-            self._restore(self.config.train.load, resume=False)
+            path = weights_checkpoint("train.load", self.config.train.load, self.config.model)
+            load_checkpoint(path, self.engine.module, load_rng=False)
 
-    def resume(self) -> bool:
-        """Continue from the newest complete checkpoint of the run directory, if there is one."""
-        path = latest_checkpoint(self._checkpoint_root())
-        if path is None:
-            return False
-        self._restore(path, resume=True)
-        return True
+    def _resume_from(self, path: Path) -> None:
+        meta = load_checkpoint(path, self.engine.module, self.engine.optimizer, self.engine.scheduler)
+        extra = meta["extra_state"]
+        self.step = self._saved_step = meta["step"]
+        self.sampler.load_state_dict(extra["sampler"])
+        self.consumed_samples = extra["consumed_samples"]
+        self.num_skipped_updates = extra["num_skipped_updates"]
 
-    def _restore(self, path, resume: bool) -> None:
-        if resume:
-            meta = load_checkpoint(path, self.engine.module, self.engine.optimizer, self.engine.scheduler)
-            extra = meta["extra_state"]
-            self.step = meta["step"]
-            self.sampler.load_state_dict(extra["sampler"])
-            self.consumed_samples = extra["consumed_samples"]
-            self.num_skipped_updates = extra["num_skipped_updates"]
-        else:
-            # train.load names a checkpoint, or a checkpoints folder whose newest one is meant.
-            load_checkpoint(resolve_checkpoint(path), self.engine.module, load_rng=False)
-
-    def _checkpoint_root(self) -> Path:
-        return Path(self.config.train.run_dir) / "checkpoints"
+    def _say(self, line: str) -> None:
+        # Rank 0: it names a damaged file (load_checkpoint) and prints the errors.
+        if dist.get_rank() == 0:
+            print(line, flush=True)
 
     def _request_stop(self, signum, frame) -> None:
-        # SIGTERM (a cluster's preemption): finish the current step, save, and exit cleanly.
+        # Only a flag: the ranks act on it where they agree (_stop_agreed).
         self._stop_requested = True
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM. The signal reaches ranks at different moments: deciding on
-        the flag of this rank alone would leave the others waiting in the next step's collectives."""
+        the flag of this rank alone would leave the others waiting in the next collective. Every rank
+        calls this at the same points of the step, in the same order."""
         flag = torch.tensor(int(self._stop_requested), device=self.engine.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stopped_by_signal = bool(flag)
         return self.stopped_by_signal
+
+    def _abandon_if_stopped(self) -> None:
+        if self._stop_agreed():
+            raise StepAbandoned
+
+    @contextlib.contextmanager
+    def _abandonable(self):
+        """The part of a step before its updates: when SIGTERM abandons it, the sampler position and the
+        RNG states go back to where the step began, so the checkpoint saved next is the previous step's
+        as an uninterrupted run had it, and a resumed run takes this step as that run would."""
+        sampler_state, rng_state = self.sampler.state_dict(), capture_rng()
+        try:
+            yield
+        except StepAbandoned:
+            self.sampler.load_state_dict(sampler_state)
+            restore_rng(rng_state)
+            if self.logger.enabled:
+                print(f"SIGTERM: step {self.step + 1} abandoned before its updates; saving step {self.step}",
+                      flush=True)
+            raise
 
     # -- collectives ----------------------------------------------------------------------------
 

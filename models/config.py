@@ -72,7 +72,7 @@ class HybridModelConfig:
     layer_pattern: str = "LLLLLLLS"
     """Mixer kinds, L = lightning, S = softmax, repeated over the layers; its length must divide num_layers."""
     max_position_embeddings: int = 131072
-    """Longest sequence the model is meant for (recorded for conversion; RoPE itself has no limit)."""
+    """Longest sequence: bounds prompt plus response at start-up, recorded for conversion (RoPE has no limit)."""
     fp32_lm_head: bool = True
     """Compute the LM head and everything after it in fp32 even when the model runs in bf16."""
 

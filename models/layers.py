@@ -73,8 +73,8 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(hidden, self.weight, self.eps)
 
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A decode step's norm of [b, C], without autograd: the op ``megacispo::rms_norm``."""
-        return torch.ops.megacispo.rms_norm(hidden, self.weight, self.eps)
+        """A decode step's norm of [b, C], without autograd (``rms_norm_step``)."""
+        return rms_norm_step(hidden, self.weight, self.eps)
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,8 +83,15 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return _rms_normalize(hidden, wide, _sum_of_squares(wide), hidden.shape[-1], eps, weight)
 
 
-# The op decode steps call (they run a norm 3 times a layer, on a few rows): one call where torch
-# runs eight ops, and a place for a backend's own kernel (the CPU layer has one, parallel/cpu/).
+def rms_norm_step(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A decode step's norm (three a layer, on a few rows): the op ``megacispo::rms_norm``, one call
+    where torch runs eight ops and a place for a backend's own kernel (the CPU layer has one,
+    parallel/cpu/); under torch.compile the torch ops, which the graph fuses with their neighbours."""
+    if torch.compiler.is_compiling():
+        return rms_norm(hidden, weight, eps)
+    return torch.ops.megacispo.rms_norm(hidden, weight, eps)
+
+
 _LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
 _LIBRARY.define("rms_norm(Tensor hidden, Tensor weight, float eps) -> Tensor")
 _LIBRARY.impl("rms_norm", rms_norm, "CompositeExplicitAutograd")
@@ -156,7 +163,7 @@ class TensorParallelRMSNorm(torch.nn.Module):
 
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """A decode step's norm of [b, C] at TP = 1 (the lean step's layout), without autograd."""
-        return torch.ops.megacispo.rms_norm(hidden, self.weight, self.eps)
+        return rms_norm_step(hidden, self.weight, self.eps)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return make_sharded_tensors_for_checkpoint(

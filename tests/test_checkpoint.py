@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megacispo.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from megacispo.checkpoint import checkpoint_dir, find_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from megacispo.parallel.multiprocess import run_distributed
 from megacispo.parallel.sharded import assemble
 
@@ -329,7 +329,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     assert resumed["meta"]["step"] == 1 and resumed["meta"]["extra_state"] == _extra_state(1)
     assert _max_relative_error(assemble([resumed["expected"]]), assemble([resumed["params"]])) == 0
     assert "no meta.json" in resumed["errors"][broken[0]] and broken[0] in resumed["errors"][broken[0]]
-    assert "no Megatron distributed checkpoint files" in resumed["errors"][broken[1]]
+    assert f"{only_meta / '.metadata'} is missing" in resumed["errors"][broken[1]]
     assert "rng/rank_0.pt" in resumed["errors"][broken[2]]
     # The next save removed what the killed one left behind and committed step 2.
     assert not [path.name for path in root.iterdir() if path.name.startswith(".tmp_")]
@@ -353,7 +353,11 @@ def test_latest_checkpoint_orders_steps_and_needs_meta(tmp_path):
     (tmp_path / ".tmp_step_00000200").mkdir()
     (tmp_path / ".tmp_step_00000200" / "meta.json").write_text("{}")
     (tmp_path / "step_latest").mkdir()
-    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 10)
+    found = find_checkpoints(tmp_path)
+    assert list(found) == [checkpoint_dir(tmp_path, step) for step in (9, 10, 100)]
+    assert "format_version None" in found[checkpoint_dir(tmp_path, 10)]
+    assert "no meta.json" in found[checkpoint_dir(tmp_path, 100)]
+    assert latest_checkpoint(tmp_path) is None
     with pytest.raises(ValueError, match=f"{checkpoint_dir(tmp_path, 100)} is not a megacispo checkpoint"):
         load_checkpoint(checkpoint_dir(tmp_path, 100), model=None)
     with pytest.raises(ValueError, match="format_version"):

@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from megacispo.config import Config, load_config, parse_override, to_dict
+from megacispo.config import (
+    Config,
+    check_rl_batches,
+    check_sft_batches,
+    load_config,
+    max_prompt_tokens,
+    parse_override,
+    to_dict,
+)
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.yaml"))
 
@@ -40,12 +48,23 @@ def test_resolved_config_round_trips():
     [
         ("rollout.grup_size=4", r"config.rollout.grup_size: unknown field; valid fields of config.rollout: .*group_size"),
         ("train.steps=many", r"config.train.steps: expected int, got 'many'"),
-        ("train.steps=0", r"train.steps = 0: it must be at least 1"),
+        ("train.steps=0", r"train.steps = 0: it must be >= 1"),
         ("sft.decay_steps=-5", r"sft.decay_steps = -5: it must be >= 0"),
         ("rollout.group_size=1", r"rollout.group_size = 1"),
-        ("rollout.top_p=1.5", r"rollout.top_p = 1.5"),
-        ("rl.updates_per_rollout=3", r"rl.updates_per_rollout = 3 does not divide the rollout batch"),
-        ("rl.loss.name=ppo", r"rl.loss: .*'ppo'.*cispo"),
+        ("rollout.top_p=1.5", r"rollout.top_p = 1.5: it must be in \(0, 1\]"),
+        ("rollout.top_k=-5", r"rollout.top_k = -5: it must be >= 0 \(0: off\)"),
+        ("optimizer.lr=-1", r"optimizer.lr = -1.0: it must be > 0"),
+        ("optimizer.lr=.nan", r"config.optimizer.lr: expected a finite number, got nan"),
+        ("optimizer.lr=inf", r"config.optimizer.lr: expected a finite number, got 'inf'"),
+        ("optimizer.adam_beta2=1", r"optimizer.adam_beta2 = 1.0: it must be in \[0, 1\)"),
+        ("optimizer.min_lr=0.1", r"optimizer.min_lr = 0.1 exceeds optimizer.lr = 0.0001"),
+        ("rl.max_reward_failure_frac=2", r"rl.max_reward_failure_frac = 2.0: it must be in \[0, 1\]"),
+        ("rl.reward=nope", r"rl.reward: reward 'nope': unknown reward name"),
+        ("train.run_dir=''", r"train.run_dir is empty"),
+        ("data.overlong_prompts=cut", r"data.overlong_prompts = 'cut': use error, skip, truncate_left"),
+        ("rollout.max_new_tokens=4096", r"rollout.max_new_tokens = 4096 leaves no room for a prompt"),
+        ("data.max_prompt_tokens=4090", r"data.max_prompt_tokens = 4090 \+ rollout.max_new_tokens = 16 exceeds"),
+        ("rl.loss.name=ppo", r"rl.loss.name = 'ppo': use one of cispo, dapo, grpo, reinforce"),
         ("rl.loss.params.eps_hgh=1", r"rl.loss: unknown parameter\(s\) eps_hgh"),
         ("rl.old_logprobs=cached", r"rl.old_logprobs = 'cached'"),
         ("model.size=huge", r"config.model: model size 'huge' is unknown"),
@@ -63,6 +82,50 @@ def test_override_syntax_and_missing_file():
         parse_override("train.steps")
     with pytest.raises(ValueError, match="no such file"):
         load_config("/nonexistent/run.yaml")
+
+
+def test_yaml_syntax_errors_name_the_place(tmp_path):
+    with pytest.raises(ValueError, match=r"^--set 'train.steps=\[1': invalid YAML at line 1, column 3: "):
+        parse_override("train.steps=[1")
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 3\n   seed: 1\n")
+    with pytest.raises(ValueError, match=rf"^--config {path}: invalid YAML at line 3, column 8: ") as error:
+        load_config(str(path))
+    assert "\n" not in str(error.value)
+
+
+def test_prompt_limit_defaults_to_what_the_context_leaves():
+    assert max_prompt_tokens(load_config(None)) == 4096 - 16
+    assert max_prompt_tokens(load_config(None, ["data.max_prompt_tokens=100"])) == 100
+
+
+@pytest.mark.parametrize(
+    "overrides, data_parallel_size, message",
+    [
+        ([], 1, None),
+        (["rollout.prompts_per_step=3"], 2, r"rollout.prompts_per_step = 3 is not divisible by the data-parallel size"),
+        (["rl.updates_per_rollout=3"], 1, r"rl.updates_per_rollout = 3 does not divide the 64 samples"),
+        (["rl.updates_per_rollout=8"], 4, None),
+        (["rl.updates_per_rollout=32"], 4, r"rl.updates_per_rollout = 32 does not divide the 16 samples"),
+        (["train.micro_batch_size=3"], 1, r"train.micro_batch_size = 3 does not divide the 16 samples of each update"),
+        (["train.micro_batch_size=64"], 1, None),  # one micro-batch
+    ],
+)
+def test_rl_batches_split_over_the_data_parallel_ranks(overrides, data_parallel_size, message):
+    config = load_config(None, overrides)  # 8 prompts x 8 samples, 4 updates, micro-batches of 8
+    if message is None:
+        check_rl_batches(config, data_parallel_size)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_rl_batches(config, data_parallel_size)
+
+
+def test_sft_batches_split_over_the_data_parallel_ranks():
+    check_sft_batches(load_config(None, ["sft.batch_size=64"]), 8)  # 8 pairs a rank, one micro-batch
+    with pytest.raises(ValueError, match=r"sft.batch_size = 6 is not divisible by the data-parallel size 4"):
+        check_sft_batches(load_config(None, ["sft.batch_size=6"]), 4)
+    with pytest.raises(ValueError, match=r"train.micro_batch_size = 8 does not divide the 12 pairs of each SFT step"):
+        check_sft_batches(load_config(None, ["sft.batch_size=24"]), 2)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

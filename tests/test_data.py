@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megacispo.data import (
+    PromptLimit,
     PromptRecord,
     PromptSampler,
     build_sft_example,
@@ -17,7 +18,7 @@ from megacispo.data import (
     encode_prompt,
     format_jsonl,
     load_prompts,
-    load_sft_pairs,
+    prompt_token_ids,
 )
 from megacispo.tasks import ArithmeticTask, evaluate, generate_task_data
 
@@ -51,7 +52,6 @@ def test_load_keeps_extra_fields_and_skips_blank_lines(tmp_path):
         PromptRecord("12+7=", "19", {}),
         PromptRecord("é ✓", "-3.5", {"tolerance": 0.1, "meta": {"source": "x", "ids": [1, 2]}}),
     ]
-    assert load_sft_pairs(path) == records
 
 
 def test_format_jsonl_round_trips(tmp_path):
@@ -142,6 +142,80 @@ def test_sft_example_and_collate_align_labels_with_the_answer():
 def test_sft_example_longer_than_max_length_raises():
     with pytest.raises(ValueError, match="10 tokens, more than max_length=9"):
         build_sft_example(CharTokenizer(), PromptRecord("12+34=", "46"), max_length=9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt length: PromptLimit
+# ---------------------------------------------------------------------------------------------
+
+
+class CountingTokenizer(CharTokenizer):
+    def __init__(self):
+        self.texts: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.texts.append(text)
+        return super().encode(text)
+
+
+def write_prompts(tmp_path: Path, prompts: list[str]) -> Path:
+    return write_lines(tmp_path, [json.dumps({"prompt": prompt, "answer": "1"}) for prompt in prompts])
+
+
+def limit(max_tokens: int, overlong: str = "error", **options) -> PromptLimit:
+    return PromptLimit(CountingTokenizer(), max_tokens, f"the limit = {max_tokens}", overlong, **options)
+
+
+def test_limit_tokenizes_each_prompt_once_as_it_loads(tmp_path):
+    fit = limit(7)
+    records = load_prompts(write_prompts(tmp_path, ["1+2=", "12+34="]), fit)
+    assert [record.prompt_ids for record in records] == [(2, 11, 30, 12, 32), (2, 11, 12, 30, 13, 14, 32)]
+    assert fit.tokenizer.texts == ["1+2=", "12+34="]
+    # Rollouts and SFT start from the stored ids: nothing is tokenized again.
+    assert prompt_token_ids(fit.tokenizer, records[1]) == [2, 11, 12, 30, 13, 14, 32]
+    assert build_sft_example(fit.tokenizer, records[0]).token_ids == [2, 11, 30, 12, 32, 11, 3]
+    assert fit.tokenizer.texts == ["1+2=", "12+34=", "1"]  # the answer only
+    assert records[0] == PromptRecord("1+2=", "1", prompt_ids=(2, 11, 30, 12, 32))
+    assert "prompt_ids" not in repr(records[0]), "a 100k-token prompt would flood every message that shows a record"
+
+
+def test_overlong_prompt_is_an_error_naming_line_length_limit_and_fix(tmp_path):
+    path = write_prompts(tmp_path, ["1+2=", "12+34="])
+    with pytest.raises(ValueError) as error:
+        load_prompts(path, limit(6))
+    assert str(error.value) == (
+        f"{path}:2: the prompt ([BOS] + prompt) is 7 tokens, more than the limit = 6; shorten it, or set "
+        "data.overlong_prompts to skip or truncate_left"
+    )
+
+
+def test_overlong_prompts_are_skipped_and_counted(tmp_path):
+    fit = limit(6, "skip")
+    records = load_prompts(write_prompts(tmp_path, ["12+34=", "1+2=", "99+99="]), fit)
+    assert [record.prompt for record in records] == ["1+2="]
+    assert (fit.num_skipped, fit.num_truncated) == (2, 0)
+    with pytest.raises(ValueError, match=r"all 3 records are longer than the limit = 4 and data.overlong_prompts"):
+        load_prompts(write_prompts(tmp_path, ["12+34=", "1+2=", "99+99="]), limit(4, "skip"))
+
+
+def test_overlong_prompts_keep_bos_and_their_end(tmp_path):
+    fit = limit(5, "truncate_left")
+    records = load_prompts(write_prompts(tmp_path, ["12+34=", "1+2="]), fit)
+    assert records[0].prompt == "12+34=", "the text stays whole for the reward"
+    assert records[0].prompt_ids == (2, 30, 13, 14, 32)
+    assert records[1].prompt_ids == (2, 11, 30, 12, 32)
+    assert (fit.num_skipped, fit.num_truncated) == (0, 1)
+
+
+def test_an_sft_pair_must_fit_whole(tmp_path):
+    path = write_lines(tmp_path, ['{"prompt": "12+34=", "answer": "46"}'])  # 7 + 2 + EOS = 10 tokens
+    with pytest.raises(ValueError, match=rf"{path}:1: the pair \(\[BOS\] \+ prompt \+ answer \+ EOS\) is 10 tokens"):
+        load_prompts(path, limit(9, with_answer=True))
+    fit = limit(9, "truncate_left", with_answer=True)
+    [record] = load_prompts(path, fit)
+    assert build_sft_example(fit.tokenizer, record).token_ids == [2, 12, 30, 13, 14, 32, 14, 16, 3]
+    with pytest.raises(ValueError, match=r"its answer alone \(3 tokens with EOS\) leaves no room for the prompt"):
+        load_prompts(path, limit(3, "truncate_left", with_answer=True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,8 +234,24 @@ def test_cli_prints_the_plan_and_exits_by_the_verdict(capsys):
     assert "fits" in out and "each lightning layer" in out and "every stage: 0:" in out
     assert plan.main(fits + ["--gpu-memory-gb", "1"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
-    assert plan.main(["--model", "tiny", "--tp", "2", "--dp", "2"]) == 1
-    assert "needs parallel.sequence_parallel = true" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--tp", "2", "--dp", "2"], "needs parallel.sequence_parallel = true"),
+        (["--dp", "-2"], "error: argument --dp: -2: give a whole number of at least 1"),
+        (["--dp", "0"], "error: argument --dp: 0: give a whole number of at least 1"),
+        (["--gpu-memory-gb", "nan"], "error: argument --gpu-memory-gb: nan: give a finite number of GiB >= 0"),
+        (["--overhead-gb", "-1"], "error: argument --overhead-gb: -1: give a finite number of GiB >= 0"),
+    ],
+)
+def test_cli_bad_input_exits_2_naming_the_argument(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(["--model", "tiny", *arguments])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err.strip().splitlines()[-1]
 
 
 def _saved_activation_bytes(layout: dict, micro_batch: int, seq_len: int) -> dict[str, int]:

@@ -91,7 +91,7 @@ def _entry_point(*args: str) -> subprocess.CompletedProcess:
 def test_fp8_without_transformer_engine_fails_at_start_up_with_the_install_command(tmp_path):
     result = _entry_point("--set", "precision.params_dtype=bfloat16", "--set", "precision.fp8=blockwise",
                           "--set", f"train.run_dir={tmp_path / 'run'}")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: precision.fp8 = 'blockwise' needs Transformer Engine, which is not installed: " + te_specs.INSTALL_HINT)
     assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ import pytest
 from megacispo.data import PromptRecord
 from megacispo.rewards import (
     MAX_LOGGED_FAILURES,
+    RewardFailureError,
     boxed_math,
     exact_match,
     get_reward_fn,
@@ -187,21 +188,39 @@ def flaky_reward(response: str, record: PromptRecord) -> float:
         return math.nan
     if response == "text":
         return "high"  # type: ignore[return-value]
-    return float(response == record.answer)
+    if response == "quoted":
+        return "1.0"  # type: ignore[return-value]
+    return response == record.answer  # type: ignore[return-value]  # a bool is a reward: 0 or 1
 
 
 def test_failing_rewards_are_counted_and_get_the_failure_reward(caplog):
     records = [PromptRecord("p" + "x" * 500, "1"), PromptRecord("q", "2"), PromptRecord("r", "3")] * 2
     responses = ["1", "boom", "3", "nan", "2", "text"]
     with caplog.at_level(logging.WARNING, logger="megacispo.rewards"):
-        rewards, num_failures = score_responses(flaky_reward, responses, records, failure_reward=-1.0)
-    assert rewards == [1.0, -1.0, 1.0, -1.0, 1.0, -1.0]
-    assert num_failures == 3
+        scores = score_responses(flaky_reward, responses, records, failure_reward=-1.0)
+    assert scores.rewards == [1.0, -1.0, 1.0, -1.0, 1.0, -1.0]
+    assert scores.num_failures == 3
     messages = [entry.getMessage() for entry in caplog.records]
     assert len(messages) == 3
     assert "RuntimeError: verifier crashed" in messages[0] and "'boom'" in messages[0] and "'q'" in messages[0]
     assert "returned nan" in messages[1] and "(501 chars)" in messages[1], "long prompts are truncated"
     assert "returned str 'high', not a number" in messages[2]
+    assert scores.first_failure == "raised RuntimeError: verifier crashed for prompt 'q', response 'boom'"
+
+
+def test_a_string_is_no_reward_even_when_it_reads_as_a_number():
+    scores = score_responses(flaky_reward, ["quoted", "1", "2"], [record("1")] * 3, failure_reward=-1.0)
+    assert scores.rewards == [-1.0, 1.0, 0.0] and scores.num_failures == 1, "True and False are 1 and 0"
+    assert scores.first_failure.startswith("returned str '1.0', not a number")
+
+
+def test_reward_failure_error_names_the_reward_the_limit_the_first_failure_and_the_fix():
+    error = RewardFailureError("my_rewards:score", 1.0, 0.5, "raised KeyError: 'x' for prompt 'q', response 'a'")
+    assert str(error) == (
+        "rl.reward = 'my_rewards:score' failed on 100% of a step's samples, more than rl.max_reward_failure_frac = "
+        "0.5; the first: raised KeyError: 'x' for prompt 'q', response 'a'. Fix the reward function (a reward is a "
+        "number), or raise rl.max_reward_failure_frac"
+    )
 
 
 def test_many_failures_are_summarized(caplog):
@@ -209,8 +228,8 @@ def test_many_failures_are_summarized(caplog):
         raise KeyError(response)
 
     with caplog.at_level(logging.WARNING, logger="megacispo.rewards"):
-        rewards, num_failures = score_responses(always_raises, ["a"] * 10, [record("1")] * 10, failure_reward=0.0)
-    assert rewards == [0.0] * 10 and num_failures == 10
+        scores = score_responses(always_raises, ["a"] * 10, [record("1")] * 10, failure_reward=0.0)
+    assert scores.rewards == [0.0] * 10 and scores.num_failures == 10
     assert len(caplog.records) == MAX_LOGGED_FAILURES + 1
     assert "failed on 10 of 10 samples" in caplog.records[-1].getMessage()
 

@@ -5,8 +5,9 @@ fixed overhead, for the worst pipeline stage, and whether it fits.
         --micro-batch 1 --seq-len 8192 --recompute full --precision bf16 --gpu-memory-gb 80 \\
         --distributed-optimizer
 
-World size = TP x PP x DP. Exit status 0 when the plan fits, 1 when it does not or the layout is
-impossible (the same checks and messages as start-up: parallel.layout.validate_layout).
+World size = TP x PP x DP. Exit status 0 when the plan fits, 1 when it does not, 2 for bad input:
+an impossible layout (the same checks and messages as start-up: parallel.layout.validate_layout)
+or a bad argument.
 Memory is in GiB (2^30 bytes); an "80 GB" H100/H800 reports 81,559 MiB = 79.6 GiB to CUDA.
 
 Parameters per GPU follow Megatron-Core's split. Dense parameters: the mixer projections are split
@@ -85,6 +86,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from megacispo.cli import bad_input_exits
 from megacispo.models.config import (
     LIGHTNING,
     MODEL_SIZES,
@@ -510,6 +512,24 @@ def activation_table(plan: MemoryPlan) -> list[str]:
     return lines
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type of --dp, which no layout check sees (the world size is computed from it)."""
+    if not text.isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give a whole number of at least 1")
+    return int(text)
+
+
+def _gib(text: str) -> float:
+    """argparse type of a memory size: a finite number of GiB >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text}: give a finite number of GiB >= 0")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model")
@@ -519,7 +539,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     layout.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     layout.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
-    layout.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    layout.add_argument("--dp", type=_at_least_one, default=1, help="data-parallel size")
     layout.add_argument("--sequence-parallel", action="store_true", help="shard norms and residuals over TP")
     batch = parser.add_argument_group("batch")
     batch.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -535,8 +555,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="shard optimizer states over the (expert-)data-parallel ranks")
     memory.add_argument("--fused-lm-head", action="store_true",
                         help="tiled fp32 LM head (holds [tokens, V/TP] logits only when they are small)")
-    memory.add_argument("--gpu-memory-gb", type=float, default=80.0, help="usable device memory, GiB")
-    memory.add_argument("--overhead-gb", type=float, default=DEFAULT_OVERHEAD_GIB,
+    memory.add_argument("--gpu-memory-gb", type=_gib, default=80.0, help="usable device memory, GiB")
+    memory.add_argument("--overhead-gb", type=_gib, default=DEFAULT_OVERHEAD_GIB,
                         help="fixed overhead: CUDA context, NCCL buffers, fragmentation; GiB")
     return parser.parse_args(argv)
 
@@ -562,16 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
         sequence_parallel=args.sequence_parallel,
     )
-    try:
+    with bad_input_exits():
         plans = stage_plans(
             model_config(args.model), parallel, world_size, args.micro_batch, args.seq_len, args.recompute,
             args.precision, distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
             num_microbatches=args.num_microbatches, overhead_bytes=int(args.overhead_gb * GIB),
             capacity_bytes=int(args.gpu_memory_gb * GIB),
         )
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
     worst = max(plans, key=lambda plan: plan.total)
     print(describe_run(args, worst))
     print(summary(worst, plans))

@@ -6,7 +6,7 @@ Megatron-Core assumes CUDA: it allocates on ``torch.cuda.current_device()``, har
 and only them, to the CPU, so that the real Megatron-Core code paths (TP, PP, EP, DDP, the
 distributed optimizer, distributed checkpointing) run on gloo in tests and the quick start.
 
-Four kinds of patch, each naming the upstream call site it serves (line numbers of 0.16.1):
+Three kinds of patch, each naming the upstream call site it serves (line numbers of 0.16.1):
 
 - ``torch.cuda`` functions that cannot work without CUDA get CPU meanings (current device,
   synchronize, RNG state, inert streams). Nothing that works on a CPU-only torch is changed.
@@ -17,10 +17,9 @@ Four kinds of patch, each naming the upstream call site it serves (line numbers 
   than ``scatter_add_`` on a multi-threaded CPU), and the optimizer's construction, to give torch's
   AdamW its fused CPU kernel.
 - Two MoE helpers get small wrappers, and so do DDP's two buffer collectives, which over a group
-  of one rank are skipped instead of copying the buffer onto itself.
-- Gloo has no all-gather or reduce-scatter of shards of different sizes (NCCL has), which
-  sequence-parallel regions with split sizes use under expert tensor parallelism: those two get
-  padded even collectives (``_patch_uneven_sequence_collectives``).
+  of one rank are skipped instead of copying the buffer onto itself, and the sequence-parallel
+  all-gather: gloo refuses shards of different sizes (NCCL takes them), which the MoE token
+  dispatcher gathers under expert tensor parallelism, so such a gather is padded into an even one.
 
 It is applied only when CUDA is unavailable; with CUDA, ``apply()`` changes nothing.
 """
@@ -198,10 +197,6 @@ def _patch_single_rank_collectives() -> None:
     buffers.dist_reduce_scatter_func = _in_place_over_one_rank(buffers.dist_reduce_scatter_func)
 
 
-def _are_uneven(split_sizes: list[int] | None) -> bool:
-    return split_sizes is not None and len(set(split_sizes)) > 1
-
-
 def all_gather_uneven_rows(input_: torch.Tensor, group, output_split_sizes: list[int]) -> torch.Tensor:
     """The ``input_`` [output_split_sizes[rank], ...] of every rank of ``group``, concatenated along
     the first dimension in rank order. Gloo gathers only tensors of one size: each rank's rows are
@@ -214,42 +209,24 @@ def all_gather_uneven_rows(input_: torch.Tensor, group, output_split_sizes: list
     return torch.cat([shard[:rows] for shard, rows in zip(gathered.chunk(num_ranks), output_split_sizes)])
 
 
-def reduce_scatter_uneven_rows(input_: torch.Tensor, group, input_split_sizes: list[int]) -> torch.Tensor:
-    """This rank's block of ``input_`` [sum(input_split_sizes), ...] (the blocks follow each other
-    along the first dimension, input_split_sizes[r] rows for rank r), summed over the ranks of
-    ``group``. Gloo reduce-scatters only blocks of one size: each block is padded to the largest."""
-    num_ranks, most = len(input_split_sizes), max(input_split_sizes)
-    padded = input_.new_zeros((num_ranks * most, *input_.shape[1:]))
-    for shard, rows in zip(padded.chunk(num_ranks), input_.split(input_split_sizes)):
-        shard[: rows.shape[0]] = rows
-    output = input_.new_empty((most, *input_.shape[1:]))
-    torch.distributed.reduce_scatter_tensor(output, padded, group=group)
-    return output[: input_split_sizes[torch.distributed.get_rank(group)]]
-
-
-def _patch_uneven_sequence_collectives() -> None:
-    # tensor_parallel/mappings.py:150 (_gather_along_first_dim) and :193 (_reduce_scatter_along_first_dim)
-    # hand gloo lists of shards of different sizes when given split sizes, and gloo refuses them
-    # ("ProcessGroupGloo::allgather: invalid tensor size"). The all-to-all token dispatcher gives
-    # split sizes whenever expert TP > 1, and they differ once EP > 1 (each expert-TP rank routes
-    # its own tokens to this rank's experts): the gather of tokens and probabilities at
-    # token_dispatcher.py:696/699, the reduce-scatter of the experts' outputs at :779, and each
-    # one's backward (mappings.py:338 and :373). Even split sizes keep upstream's path.
+def _patch_uneven_sequence_gather() -> None:
+    # tensor_parallel/mappings.py:150 (_gather_along_first_dim) hands gloo's all_gather a list of
+    # shards of different sizes when given split sizes, and gloo refuses it ("ProcessGroupGloo::
+    # allgather: invalid tensor size"). The all-to-all token dispatcher gives split sizes whenever
+    # expert TP > 1, and they differ once EP > 1 (each expert-TP rank routes its own tokens to this
+    # rank's experts): the gather of tokens and probabilities at token_dispatcher.py:696/699, and
+    # the backward of the reduce-scatter of the experts' outputs at :779 (mappings.py:373). Gloo's
+    # list reduce-scatter (mappings.py:193, the gather's backward) takes uneven shards as they are.
+    # Even split sizes keep upstream's path.
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
-    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    upstream = mappings._gather_along_first_dim
 
     def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
-        if _are_uneven(output_split_sizes):
+        if output_split_sizes is not None and len(set(output_split_sizes)) > 1:
             return all_gather_uneven_rows(input_, group, output_split_sizes)
-        return gather(input_, group, output_split_sizes, use_global_buffer)
+        return upstream(input_, group, output_split_sizes, use_global_buffer)
 
-    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
-        if _are_uneven(input_split_sizes):
-            return reduce_scatter_uneven_rows(input_, group, input_split_sizes)
-        return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
-
-    _rebind(gather, gather_along_first_dim)
-    _rebind(reduce_scatter, reduce_scatter_along_first_dim)
+    _rebind(upstream, gather_along_first_dim)
 
 
 def _resolve(module_name: str, qualname: str):
@@ -308,7 +285,7 @@ def apply() -> bool:
     _patch_rng_tracker()
     _patch_moe_helpers()
     _patch_single_rank_collectives()
-    _patch_uneven_sequence_collectives()
+    _patch_uneven_sequence_gather()
     for patch in SOURCE_PATCHES:
         apply_source_patch(patch)
     _applied = True
