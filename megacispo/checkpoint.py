@@ -20,7 +20,8 @@ every file it records is there with its recorded size, and the small files every
 resumed run can pass over that checkpoint to an older one.
 
 The optimizer state uses the distributed optimizer's ``fully_reshardable`` format (per-parameter
-tensors in model space, the way a plain optimizer stores them), so it reshards across TP/PP/DP too.
+tensors in model space, the way a plain optimizer stores them), so it reshards across TP/PP/DP too,
+and across EP, which changes Megatron's chain of optimizers (``_state_for_chain``).
 """
 
 from __future__ import annotations
@@ -149,17 +150,27 @@ def _load_optimizer(optimizer, state: Any) -> None:
     (distrib_optimizer.py:936-940) copies every key of the torch AdamW state, including the 0-dim
     ``step`` that the parameter state does not hold: KeyError 'step' whenever neither Apex nor
     Transformer Engine provides FusedAdam. The step itself comes from the param groups (first pass).
+
+    A checkpoint saved by another chain of distributed optimizers (another EP, below) is first put
+    into this run's chain (``_state_for_chain``).
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is None:
-        pairs = [(optimizer, state)]
-    elif len(chained) == 1:
-        pairs = [(chained[0], state)]
-    else:
-        # Megatron's ChainedOptimizer keys its sub-states by optimizer index.
-        pairs = list(zip(chained, (state[index] for index in sorted(state))))
+    current = [optimizer] if chained is None else chained
+    if all(isinstance(sub, DistributedOptimizer) for sub in current):
+        saved = _saved_chain(state)
+        if not _chain_matches(saved, current):
+            state = _state_for_chain(current, saved, state)
+    elif _chain_length_differs(state, len(current)):
+        raise CheckpointError(
+            f"the checkpoint was saved by another chain of optimizers than the {len(current)} of this run "
+            f"(Megatron gives the experts an optimizer of their own only at EP > 1): the plain optimizer's "
+            f"state loads only at the expert-parallel size it was saved at; resume at that size (the "
+            f"distributed optimizer's state loads at any)."
+        )
+    # Megatron's ChainedOptimizer keys its sub-states by optimizer index, except a chain of one.
+    pairs = [(current[0], state)] if len(current) == 1 else [(sub, state[index]) for index, sub in enumerate(current)]
     param_states = []
     for megatron_optimizer, sub_state in pairs:
         if isinstance(megatron_optimizer, DistributedOptimizer) and "param_state" in sub_state:
@@ -170,6 +181,88 @@ def _load_optimizer(optimizer, state: Any) -> None:
     for megatron_optimizer, param_state in param_states:
         with _steps_set_aside(megatron_optimizer.optimizer):
             megatron_optimizer.load_parameter_state_from_fully_reshardable(param_state)
+
+
+# The chain of optimizers follows the layout: Megatron-Core 0.16.1's get_megatron_optimizer gives the
+# parameters marked `allreduce = False` an optimizer of their own, and the experts are marked so only
+# at EP > 1 (transformer/moe/experts.py). A checkpoint holds its tensors by parameter name, which
+# every chain reads alike, but its non-tensor state (the param groups and the sharding type, in
+# common.pt) per optimizer of the chain that saved it, and dist_checkpointing.load merges the two:
+# resumed at another EP, the state is the saved chain's sub-states beside this chain's tensors
+# ({0: ..., 1: ..., 'param_state': ...} for EP 2 -> 1).
+
+
+def _saved_chain(state: dict) -> list[dict]:
+    """The non-tensor state of each optimizer of the chain that saved ``state``: at the top for a
+    chain of one, by optimizer index otherwise. Only the saved state has an 'optimizer' entry: this
+    run's request contributes tensors ('param_state') alone."""
+    if "optimizer" in state:
+        return [state]
+    return [state[key] for key in sorted(key for key in state if isinstance(key, int)) if "optimizer" in state[key]]
+
+
+def _chain_length_differs(state: dict, length: int) -> bool:
+    """Whether ``state`` (any optimizer format) was saved by a chain of another length than ``length``:
+    a chain of one keeps its state at the top, a longer one by optimizer index only."""
+    if length == 1:
+        return any(isinstance(key, int) for key in state)
+    return set(state) != set(range(length))
+
+
+def _group_key(group: dict) -> tuple:
+    # What Megatron's DistributedOptimizer.load_state_dict matches saved and current groups by.
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group.get(key) for key in param_group_identifier_keys)
+
+
+def _chain_matches(saved: list[dict], current: list) -> bool:
+    """Whether Megatron's own load applies: as many optimizers, and every param group of each
+    found among the saved groups of the optimizer at its index."""
+    if len(saved) != len(current):
+        return False
+    for sub_state, megatron_optimizer in zip(saved, current):
+        saved_keys = {_group_key(group) for group in sub_state["optimizer"]["param_groups"]}
+        if not {_group_key(group) for group in megatron_optimizer.param_groups} <= saved_keys:
+            return False
+    return True
+
+
+def _saved_step(saved: list[dict]) -> Any:
+    """The optimizer step of the saved chain: every param group of every optimizer records it
+    (DistributedOptimizer.state_dict writes one step into each group, and a ChainedOptimizer steps its
+    optimizers together)."""
+    steps = {group["step"] for sub_state in saved for group in sub_state["optimizer"]["param_groups"]
+             if "step" in group}
+    if len(steps) != 1:
+        raise CheckpointError(f"the checkpoint's optimizers record the steps {sorted(steps)}, one step expected: "
+                              f"load it at the expert-parallel layout it was saved at.")
+    return steps.pop()
+
+
+def _state_for_chain(current: list, saved: list[dict], state: dict) -> dict:
+    """``state`` in this run's chain: each optimizer's tensors as loaded (by parameter name, whichever
+    optimizer saved them), and its own param groups with the saved step, the one piece of state that
+    the groups hold.
+
+    The saved groups are not carried over: they record no parameters, so which of this chain's
+    parameters each one held cannot be told (EP 1 saves the experts with the dense parameters). The
+    rest of a group is the run's configuration: the learning rate and weight decay, which the scheduler
+    sets at its load and at every step, and the multipliers, LR bounds, betas, eps and torch's
+    implementation flags, which Megatron set from the optimizer config and the model when it built the
+    optimizer, as it did for this run's. A run that changed them keeps its own here (Megatron's load,
+    on an unchanged chain, takes the saved ones)."""
+    step = _saved_step(saved)
+    sub_states = []
+    for index, megatron_optimizer in enumerate(current):
+        tensors = state if len(current) == 1 else state[index]
+        # state_dict(): this optimizer's param groups without parameters (its grad scaler, with fp16).
+        own = megatron_optimizer.state_dict()
+        for group in own["optimizer"]["param_groups"]:
+            group["step"] = step
+        sub_states.append({**own, "param_state_sharding_type": OPTIMIZER_SHARDING_TYPE,
+                           "param_state": tensors["param_state"]})
+    return sub_states[0] if len(sub_states) == 1 else dict(enumerate(sub_states))
 
 
 def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megacispo.checkpoint import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE
+from megacispo.cli import bad_input_exits
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -864,15 +865,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
-    try:
+    with bad_input_exits():
         if args.command == "hf-to-megatron":
             path = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                                   rotary_dim=args.rotary_dim, dtype=args.dtype, progress=not args.no_progress)
         else:
             path = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_bytes,
                                   progress=not args.no_progress)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
     print(f"wrote {path}")
     return 0
 

@@ -131,7 +131,7 @@ def rl_steps_logged(console: str) -> list[int]:
 def test_two_nodes_train_and_checkpoint_then_one_node_resumes_at_another_layout(config, tmp_path):
     run_dir = tmp_path / "run"
     rendezvous = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RUN_ID="rehearsal",
-                      LOG_DIR=str(tmp_path / "logs"), EP="1", STEPS="2")
+                      LOG_DIR=str(tmp_path / "logs"), EP="2", STEPS="2")
     nodes = [Launcher(f"node {rank}", "train_multi_node.sh",
                       script_env(config, tmp_path, NODE_RANK=str(rank), **rendezvous), tmp_path / f"node{rank}.log")
              for rank in (0, 1)]

@@ -1,6 +1,7 @@
 // The CPU decode step's kernels (fp32, AVX2 + FMA), built by parallel/cpu/kernels.py:
 //
-//   megacispo::few_rows_product(rows [m, K], weight [N, K]) -> [m, N]   rows @ weight.T, m <= 16;
+//   megacispo::few_rows_product(rows [m, K], weight [N, K]) -> [m, N]   rows @ weight.T, m <= 16
+//       (few_rows_product_into: into a given out);
 //       cpu_gemm.cpp sends torch's products of so few rows here
 //   decode_experts(tokens [b, H], probs [b, k], top_experts [b, k], fc1_weights, fc2_weights) -> [b, H]
 //       one MoE layer's routed experts: the fp32 CPU kernel of models/experts.py's op
@@ -244,20 +245,28 @@ namespace megacispo {
 
 constexpr int64_t kFewRows = 16;
 
-at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight) {
+// Into out, a contiguous fp32 [m, N] (torch.compile's graphs hand over their own buffer).
+void few_rows_product_into(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& out) {
   check_fp32_contiguous(rows, "few_rows_product", "rows");
   check_fp32_contiguous(weight, "few_rows_product", "weight");
+  check_fp32_contiguous(out, "few_rows_product", "out");
   TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1),
               "few_rows_product: rows [m, K] and weight [N, K], got ", rows.sizes(), " and ", weight.sizes());
   const int64_t num_rows = rows.size(0), in_features = rows.size(1), out_features = weight.size(0);
   TORCH_CHECK(num_rows >= 1 && num_rows <= kFewRows, "few_rows_product: 1 to ", kFewRows, " rows, got ", num_rows);
-  at::Tensor out = at::empty({num_rows, out_features}, rows.options());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({num_rows, out_features}), "few_rows_product: out must be [",
+              num_rows, ", ", out_features, "], got ", out.sizes());
   const float* x = rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, out_features, kGrainRows, [&](int64_t j_begin, int64_t j_end) {
     dot_rows(x, num_rows, w, o, in_features, out_features, j_begin, j_end);
   });
+}
+
+at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight) {
+  at::Tensor out = at::empty({rows.size(0), weight.size(0)}, rows.options());
+  few_rows_product_into(rows, weight, out);
   return out;
 }
 

@@ -50,6 +50,7 @@ namespace megacispo {
 // cpu_decode.cpp: rows [m, k] (m <= kFewRows) x weight [n, k]^T -> [m, n], and the model ops' fp32
 // kernels.
 at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight);
+void few_rows_product_into(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& out);
 constexpr int64_t kFewRows = 16;
 at::Tensor decode_experts_kernel(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
                                  at::TensorList fc1_weights, at::TensorList fc2_weights);
@@ -100,19 +101,23 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   return at::cpu::mm(a, b);
 }
 
-// torch.compile's graphs call the out= form (inductor's extern_kernels.mm).
+// torch.compile's graphs call the out= form (inductor's extern_kernels.mm), with a buffer of the
+// product's shape: written in place.
 at::Tensor& mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
-  if (!few_rows_take(a, b) && !onednn_takes(a, b)) {
+  const bool few_rows = few_rows_take(a, b);
+  if (!few_rows && !onednn_takes(a, b)) {
     return at::cpu::mm_out(out, a, b);
   }
-  if (onednn_takes(a, b) && !few_rows_take(a, b) && out.scalar_type() == at::kFloat && out.is_contiguous() &&
-      out.sizes() == at::IntArrayRef({a.size(0), b.size(1)})) {
-    at::native::mkldnn_matmul(a, b, out, /*beta=*/0.0f, /*alpha=*/1.0f);
-    return out;
+  out.resize_({a.size(0), b.size(1)});
+  if (out.scalar_type() != at::kFloat || !out.is_contiguous()) {
+    return out.copy_(mm(a, b));
   }
-  at::Tensor product = mm(a, b);
-  out.resize_(product.sizes());
-  return out.copy_(product);
+  if (few_rows) {
+    megacispo::few_rows_product_into(a.contiguous(), b.t(), out);
+  } else {
+    at::native::mkldnn_matmul(a, b, out, /*beta=*/0.0f, /*alpha=*/1.0f);
+  }
+  return out;
 }
 
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
