@@ -568,6 +568,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                           f"step_* checkpoint directory or the directory holding them.")
 
 
+def params_dtype_of(meta: dict) -> str:
+    """The dtype name of a checkpoint's weights (``float32`` | ``bfloat16``): its run's
+    ``precision.params_dtype``, as meta.json records the run's config."""
+    return meta.get("config", {}).get("precision", {}).get("params_dtype", "float32")
+
+
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's meta.json; CheckpointError naming the path when ``path`` is not a checkpoint."""
     path = Path(path)

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megacispo.checkpoint import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE
+from megacispo.checkpoint import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE, params_dtype_of
 from megacispo.cli import bad_input_exits
 
 SINGLE_FILE = "model.safetensors"
@@ -597,10 +597,10 @@ def hf_to_megatron(
         step_dir.mkdir()
         write_distributed_checkpoint(step_dir, chunks, objects, source.read, progress=progress)
         _write_megatron_files(step_dir)
-        config_dict = to_dict(dataclasses.replace(Config(), model=config, parallel=parallel))
+        precision = dataclasses.replace(Config().precision, params_dtype=_dtype_name(params_dtype))
+        config_dict = to_dict(dataclasses.replace(Config(), model=config, parallel=parallel, precision=precision))
         _write_meta(step_dir, config_dict, {
             "converted_from": str(Path(hf_dir).resolve()),
-            "params_dtype": _dtype_name(params_dtype),
             "hf_experts_layout": layout,
         })
     return out / step_name
@@ -825,7 +825,7 @@ def megatron_to_hf(
         (temporary / INDEX_FILE).write_text(json.dumps(index, indent=2))
         hf_config = {
             "architectures": ["MiniMaxForCausalLM"], "model_type": "minimax",
-            "dtype": meta.get("extra_state", {}).get("params_dtype", "float32"),
+            "dtype": params_dtype_of(meta),
             **hf_names.config_to_hf(config),
         }
         (temporary / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
@@ -891,7 +891,7 @@ def load_single_process(ckpt: str | os.PathLike):
     if not meta.get("config") or "model" not in meta["config"]:
         raise ValueError(f"{step_dir}/meta.json has no config.model: this checkpoint cannot be converted.")
     config = HybridModelConfig(**meta["config"]["model"])
-    params_dtype = DTYPES[meta.get("extra_state", {}).get("params_dtype", "float32")]
+    params_dtype = DTYPES[params_dtype_of(meta)]
     model = _single_process_model(config, params_dtype)
     load_checkpoint(step_dir, model, load_rng=False)
     return model, config, meta

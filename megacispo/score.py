@@ -91,7 +91,7 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any
 
 def model_config_of(load: str | os.PathLike):
     """(HybridModelConfig, params dtype name) of --load, read before any process group exists."""
-    from megacispo.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+    from megacispo.checkpoint import CheckpointError, params_dtype_of, read_meta, resolve_checkpoint
     from megacispo.models import hf_names
     from megacispo.models.config import HybridModelConfig
 
@@ -105,7 +105,7 @@ def model_config_of(load: str | os.PathLike):
     meta = read_meta(step_dir)
     if not meta.get("config") or "model" not in meta["config"]:
         raise ValueError(f"--load {step_dir}: its meta.json has no config.model.")
-    return HybridModelConfig(**meta["config"]["model"]), meta.get("extra_state", {}).get("params_dtype", "float32")
+    return HybridModelConfig(**meta["config"]["model"]), params_dtype_of(meta)
 
 
 def parallel_config(args: argparse.Namespace, config, world_size: int):
@@ -195,7 +195,7 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
     """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
+    from megacispo.checkpoint import load_checkpoint, params_dtype_of, read_meta, resolve_checkpoint
 
     scratch = None
     if is_hf_directory(load):
@@ -206,7 +206,7 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
     try:
         step_dir = resolve_checkpoint(load)
         if params_dtype is None:
-            params_dtype = read_meta(step_dir).get("extra_state", {}).get("params_dtype", "float32")
+            params_dtype = params_dtype_of(read_meta(step_dir))
         model = _build_model(config, params_dtype, parallel)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # RNG states of another layout: not used here

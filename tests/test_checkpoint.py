@@ -520,3 +520,11 @@ def test_publish_replaces_a_step_saved_before(tmp_path):
     _publish(temporary, final)
     assert (final / "meta.json").read_text() == "new"
     assert [path.name for path in tmp_path.iterdir()] == ["step_00000005"]
+
+
+def test_params_dtype_comes_from_the_runs_precision():
+    from megacispo.checkpoint import params_dtype_of
+
+    # Training and conversion both record it in the run's config (converted: the HF weights' dtype).
+    assert params_dtype_of({"config": {"precision": {"params_dtype": "bfloat16"}}}) == "bfloat16"
+    assert params_dtype_of({"config": {"model": {}}}) == "float32"
