@@ -40,7 +40,7 @@ class DataConfig:
     max_prompt_tokens: int = 0
     """Longest RL prompt, in tokens with BOS (0: model.max_position_embeddings - rollout.max_new_tokens)."""
     overlong_prompts: str = "error"
-    """A longer prompt, or an SFT pair over the model's context: error, skip, or truncate_left (keep BOS and the end)."""
+    """A longer prompt, or an SFT pair over the context: error, skip, or truncate_left (keep BOS and the end)."""
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megacispo.data import atomic_write_text
 
 # The converter runs as `python -m CONVERTER_MODULE` (tools/convert_checkpoint.py is its command line).
 CONVERTER_MODULE = "megacispo.convert"
@@ -229,29 +230,12 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
         if torch.distributed.get_rank() == 0:
             merged = {index: logprobs for part in gathered for index, logprobs in part.items()}
             assert len(merged) == len(records), "every record is scored by some rank"
-            _write_jsonl(out, [{**record, "logprobs": merged[i]} for i, record in enumerate(records)])
+            scored = ({**record, "logprobs": merged[i]} for i, record in enumerate(records))
+            atomic_write_text(out, "".join(json.dumps(record) + "\n" for record in scored))
         torch.distributed.barrier()
     finally:
         if scratch is not None and torch.distributed.get_rank() == 0:
             shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Created by open(), whose mode the umask decides as for any other file the user writes
-    # (mkstemp's would be 0600); "x" refuses a name that exists.
-    temporary = path.with_name(f".tmp_{path.name}_{secrets.token_hex(8)}")
-    try:
-        with open(temporary, "x") as file:
-            for record in records:
-                file.write(json.dumps(record) + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def run(argv: list[str] | None = None) -> None:

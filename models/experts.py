@@ -140,7 +140,8 @@ def decode_experts(
 # values, which a graph cannot branch on), and a place for a backend's own kernel.
 _LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
 _LIBRARY.define(
-    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor[] fc1_weights, Tensor[] fc2_weights) -> Tensor"
+    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor[] fc1_weights, "
+    "Tensor[] fc2_weights) -> Tensor"
 )
 _LIBRARY.impl("decode_experts", decode_experts, "CompositeExplicitAutograd")
 

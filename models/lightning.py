@@ -61,7 +61,11 @@ CHUNK_TOKENS = 1024
 
 
 def lightning_decay_rates(
-    num_heads: int, layer_idx: int, num_layers: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    num_heads: int,
+    layer_idx: int,
+    num_layers: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Decay rates s_h [num_heads] of one lightning-attention layer, bit-identical to HF in fp32.
 
@@ -316,7 +320,9 @@ class _BlockLayout:
         first_token_slot = (first_blocks + blocks_per_doc) * block_size - lengths  # slot of each doc's token 0
         doc_starts = torch.cumsum(lengths, 0) - lengths
         docs = torch.arange(len(doc_lengths), device="cpu")
-        token_slots = torch.arange(sum(doc_lengths), device="cpu") + torch.repeat_interleave(first_token_slot - doc_starts, lengths)
+        token_slots = torch.arange(sum(doc_lengths), device="cpu") + torch.repeat_interleave(
+            first_token_slot - doc_starts, lengths
+        )
         num_blocks = int(blocks_per_doc.sum())
         slot_doc = torch.repeat_interleave(docs, blocks_per_doc * block_size)
         slot_positions = torch.arange(num_blocks * block_size, device="cpu") - first_token_slot[slot_doc]
@@ -346,7 +352,8 @@ def _build_chunk(
     num_blocks = min(blocks_per_chunk, len(doc_of_block) - first_block)
     slot_start, slot_end = first_block * block_size, (first_block + num_blocks) * block_size
     # token_slots is increasing, so the chunk's tokens form a contiguous range.
-    token_start, token_end = torch.searchsorted(token_slots, torch.tensor([slot_start, slot_end], device="cpu")).tolist()
+    slot_range = torch.tensor([slot_start, slot_end], device="cpu")
+    token_start, token_end = torch.searchsorted(token_slots, slot_range).tolist()
     docs = doc_of_block[first_block : first_block + num_blocks]  # [G]
     g = torch.arange(num_blocks, device="cpu")  # host-side, as the layout it is built from
     same_doc = docs[:, None] == docs[None, :]  # [G, G]

@@ -88,7 +88,9 @@ def assemble(pieces_by_rank: list[list[TensorPiece]]) -> dict[str, torch.Tensor]
     full: dict[str, torch.Tensor] = {}
     for pieces in pieces_by_rank:
         for piece in pieces:
-            target = full.setdefault(piece.key, torch.zeros(piece.global_shape, dtype=piece.data.dtype, device=piece.data.device))
+            if piece.key not in full:
+                full[piece.key] = torch.zeros(piece.global_shape, dtype=piece.data.dtype, device=piece.data.device)
+            target = full[piece.key]
             prepend = piece.prepend_axis_num
             index = tuple(piece.global_offset[:prepend]) + tuple(
                 slice(offset, offset + size) for offset, size in zip(piece.global_offset[prepend:], piece.data.shape)

@@ -8,8 +8,8 @@ device, and nowhere else. It
    devices recompiled away, each patch naming its upstream call site), and
 2. puts megacispo's C++ kernels into torch's dispatch for CPU tensors (``kernels``): torch's fp32
    products (``@``, F.linear, Megatron's linears and their backward passes) on oneDNN or, for a
-   decode step's few rows, a weight-streaming kernel; and the fp32 CPU kernel of the model's op
-   ``megacispo::decode_experts``.
+   decode step's few rows, a weight-streaming kernel; and the fp32 CPU kernels of the model's
+   decode-step ops ``megacispo::decode_experts`` and ``megacispo::rms_norm``.
 
 Model and driver code read as plain Megatron-Core and torch, with no CPU/GPU branch: on a GPU
 none of this is imported or applied.

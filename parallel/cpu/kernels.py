@@ -29,6 +29,7 @@ _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # OpenMP thread pool, the one torch.set_num_threads sizes.
 _LDFLAGS = ["-fopenmp"]
 
+
 @functools.cache
 def kernels_available() -> bool:
     """Whether the kernels are loaded; the first call builds or loads them. False, with one warning,

@@ -9,7 +9,7 @@
 //   rms_norm_rows(rows [m, C], weight [C], eps) -> [m, C]: the fp32 CPU kernel of models/layers.py's
 //       op megacispo::rms_norm
 //
-// cpu_gemm.cpp registers them (megacispo::model_op_kernel); other dtypes run the ops' own torch
+// cpu_gemm.cpp registers them (megacispo::enable_cpu_kernels); other dtypes run the ops' own torch
 // implementations.
 //
 // A decode step's products have few rows and are bound by reading the weights, which MKL's sgemm
@@ -243,7 +243,8 @@ at::Tensor rms_norm_rows(const at::Tensor& rows, const at::Tensor& weight, doubl
 
 namespace megacispo {
 
-constexpr int64_t kFewRows = 16;
+// The most rows few_rows_product takes; cpu_gemm.cpp sends it products of this many rows or fewer.
+extern const int64_t kFewRows = 16;
 
 // Into out, a contiguous fp32 [m, N] (torch.compile's graphs hand over their own buffer).
 void few_rows_product_into(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& out) {

@@ -51,7 +51,7 @@ namespace megacispo {
 // kernels.
 at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight);
 void few_rows_product_into(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& out);
-constexpr int64_t kFewRows = 16;
+extern const int64_t kFewRows;
 at::Tensor decode_experts_kernel(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
                                  at::TensorList fc1_weights, at::TensorList fc2_weights);
 at::Tensor rms_norm_kernel(const at::Tensor& rows, const at::Tensor& weight, double eps);
