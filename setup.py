@@ -24,6 +24,13 @@ setup(
         # Megatron-Core's torch_dist checkpoint writer needs it but does not declare it.
         "psutil",
         "sentencepiece",
+        # Hugging Face tokenizers and their chat templates (data.tokenizer), safetensors for HF checkpoints.
+        "transformers>=5.0",
+        "safetensors",
+        # Parquet prompt files (data.train_prompts).
+        "pyarrow",
+        # boxed_math's equivalence checks (LaTeX parsed to sympy).
+        "math-verify[antlr4_13_2]",
         "tensorboard",
         "pyyaml",
         "tqdm",
@@ -36,6 +43,8 @@ setup(
         # triton: the lightning-attention kernel is tested on the CPU through Triton's interpreter.
         # matplotlib: tools/plot_runs.py (examples/compare_losses.sh).
         "plot": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "transformers>=5.0", "safetensors", "triton==3.9.0", "matplotlib"],
+        # logging.wandb: true.
+        "wandb": ["wandb"],
+        "test": ["pytest", "pytest-timeout", "triton==3.9.0", "matplotlib", "wandb"],
     },
 )

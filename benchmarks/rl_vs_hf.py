@@ -247,8 +247,8 @@ def our_generate(model, prompts: torch.Tensor, new_tokens: int, compile_decode: 
     from megacispo.rollout import generate
 
     config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, compile_decode=compile_decode)
-    # eos_id -1 never matches: every sample runs all new_tokens steps, as min_new_tokens forces in HF.
-    samples = generate(model, prompts.tolist(), config, eos_id=-1, pad_id=0, generator=torch.Generator())
+    # No stop ids: every sample runs all new_tokens steps, as min_new_tokens forces in HF.
+    samples = generate(model, prompts.tolist(), config, stop_ids=[], pad_id=0, generator=torch.Generator())
     return samples.tokens[:, prompts.shape[1] :]
 
 

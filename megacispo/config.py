@@ -1,5 +1,5 @@
 """The run configuration: one typed tree, loaded from YAML with dotted command-line overrides
-(``--set rl.loss.eps_high=4.0``) and validated once at start-up. Every error names the dotted
+(``--set rl.loss.params.eps_high=4.0``) and validated once at start-up. Every error names the dotted
 field, the value and the fix."""
 
 from __future__ import annotations
@@ -30,13 +30,19 @@ class DataConfig:
     """Where prompts and the tokenizer come from, and how long a prompt may be."""
 
     train_prompts: str = ""
-    """JSONL file of RL prompts: {"prompt": ..., "answer": ..., extra fields go to the reward}."""
+    """.jsonl or .parquet file of RL prompts: a prompt, an answer; the other fields go to the reward."""
     test_prompts: str = ""
-    """JSONL file of held-out prompts for evaluation (empty: no evaluation)."""
+    """.jsonl or .parquet file of held-out prompts for evaluation (empty: no evaluation)."""
     sft_pairs: str = ""
-    """JSONL file of {"prompt", "answer"} pairs for the supervised warm start (megacispo.sft)."""
+    """.jsonl or .parquet file of prompt/answer pairs for the supervised warm start (megacispo.sft)."""
+    prompt_key: str = "prompt"
+    """The field holding the prompt (a string, or a list of {"role", "content"} messages); dots for nested fields."""
+    answer_key: str = "answer"
+    """The field holding the reference answer; dots for nested fields (e.g. reward_model.ground_truth)."""
     tokenizer: str = ""
-    """Path to a sentencepiece .model file (tools/train_tokenizer.py writes one)."""
+    """A sentencepiece .model file (tools/train_tokenizer.py writes one) or a Hugging Face tokenizer directory."""
+    chat_template: bool = False
+    """Render prompts (and SFT answers, as the assistant turn) through the tokenizer's chat template."""
     max_prompt_tokens: int = 0
     """Longest RL prompt, in tokens with BOS (0: model.max_position_embeddings - rollout.max_new_tokens)."""
     overlong_prompts: str = "error"
@@ -69,6 +75,8 @@ class RolloutConfig:
     """Cap on rollout rounds spent filling one batch under dynamic sampling."""
     compile_decode: bool = False
     """Run each decode step through torch.compile (TP = PP = EP = 1, no Transformer Engine); the first steps compile."""
+    max_running: int = 0
+    """Sequences decoded together per rank; a finished one's slot takes the next waiting sample (0: all at once)."""
 
 
 @dataclass(kw_only=True)
@@ -151,7 +159,9 @@ class TrainConfig:
     keep_last: int = 2
     """Keep this many newest checkpoints."""
     load: str = ""
-    """Start from this checkpoint (a megacispo or converted Megatron checkpoint directory)."""
+    """Start from this checkpoint: a megacispo checkpoint or a Hugging Face directory (converted on the fly)."""
+    export_hf: str = ""
+    """Write the final weights here as a Hugging Face checkpoint, with the tokenizer files (empty: no export)."""
     eval_every: int = 0
     """Evaluate held-out accuracy every this many steps (0: at the start and the end only)."""
     max_nonfinite_skips: int = 3
@@ -171,9 +181,35 @@ class SFTConfig:
     decay_steps: int = 0
     """Cosine decay over this many steps (0: sft.steps); more than sft.steps stops SFT part-way down the schedule."""
     load: str = ""
-    """Start from this checkpoint (e.g. a converted Hugging Face model); empty: random initialization."""
+    """Start from this checkpoint or Hugging Face directory; empty: random initialization."""
     out: str = ""
     """Where the warm-started checkpoint goes (default: <run_dir>/sft)."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: greedy accuracy, and pass@k / mean@k over sampled responses."""
+
+    greedy: bool = True
+    """Report the greedy accuracy (eval/accuracy)."""
+    num_samples: int = 0
+    """k: responses sampled per test prompt for pass@k and mean@k (0: greedy only)."""
+    temperature: float = 1.0
+    """Sampling temperature of the k responses."""
+    top_p: float = 1.0
+    """Nucleus sampling of the k responses."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go besides TensorBoard and the console."""
+
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install -e .[wandb]; WANDB_MODE=offline works without a network)."""
+    wandb_project: str = "megacispo"
+    """The W&B project."""
+    wandb_run_name: str = ""
+    """The W&B run name (empty: the name of train.run_dir)."""
 
 
 @dataclass(kw_only=True)
@@ -200,6 +236,10 @@ class Config:
     """The run."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """The supervised warm start."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metric loggers."""
 
 
 def _coerce(value: Any, annotation: Any, path: str) -> Any:
@@ -378,6 +418,7 @@ _RANGES: dict[str, _Range] = {
     "rollout.early_truncation_tokens": _Range(0, note="0: off"),
     "rollout.early_truncation_prob": _FRACTION,
     "rollout.max_sampling_rounds": _AT_LEAST_1,
+    "rollout.max_running": _Range(0, note="0: all of a rank's samples at once"),
     "rl.updates_per_rollout": _AT_LEAST_1,
     "rl.max_reward_failure_frac": _Range(0, 1, note="1: never stop"),
     "rl.overlong_max_length": _Range(0, note="0: off"),
@@ -404,6 +445,9 @@ _RANGES: dict[str, _Range] = {
     "sft.batch_size": _AT_LEAST_1,
     "sft.lr": _POSITIVE,
     "sft.decay_steps": _Range(0, note="0: decay over sft.steps"),
+    "eval.num_samples": _Range(0, note="0: greedy only"),
+    "eval.temperature": _POSITIVE,
+    "eval.top_p": _Range(0, 1, low_open=True),
 }
 
 

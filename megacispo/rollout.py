@@ -9,7 +9,7 @@ full distribution and draws the same token from an identically seeded generator.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,7 @@ def generate(
     prompts: list[list[int]],
     config: RolloutConfig,
     *,
-    eos_id: int,
+    stop_ids: Sequence[int],
     pad_id: int,
     generator: torch.Generator,
     lockstep_group: dist.ProcessGroup | None = None,
@@ -94,6 +94,7 @@ def generate(
 ) -> Samples:
     """Sample one response per prompt (repeat a prompt G times for a group).
 
+    ``stop_ids``: a sample ends with the first of these it draws (EOS, and a chat template's end of turn).
     ``generator``: on the device of the model's logits (torch.multinomial draws there); the prompts
     and the samples are made on it too.
     ``lockstep_group``: ranks whose forward passes communicate with each other beyond tensor
@@ -107,15 +108,16 @@ def generate(
     # training mode, and the model switches sequence parallelism off for single-token steps.
     model.eval()
     try:
-        return _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress, interrupt)
+        return _generate(model, prompts, config, stop_ids, pad_id, generator, lockstep_group, show_progress, interrupt)
     finally:
         model.train(was_training)
 
 
-def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group, show_progress, interrupt) -> Samples:
+def _generate(model, prompts, config, stop_ids, pad_id, generator, lockstep_group, show_progress, interrupt) -> Samples:
     device = generator.device
     num_samples = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+    stop_ids = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     width = max(len(p) for p in prompts)
     # Left-padded prompts [n, P]: every sequence's last prompt token sits in the last column.
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
@@ -137,7 +139,7 @@ def _generate(model, prompts, config, eos_id, pad_id, generator, lockstep_group,
         responses[active, t] = tokens[active]
         response_logprobs[active, t] = logprobs[active]
         response_lengths += active.long()
-        finished |= active & (tokens == eos_id)
+        finished |= active & torch.isin(tokens, stop_ids)
         if config.early_truncation_tokens > 0:
             confident = probs > config.early_truncation_prob
             confident_run = torch.where(confident, confident_run + 1, torch.zeros_like(confident_run))

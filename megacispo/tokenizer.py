@@ -90,6 +90,11 @@ class Tokenizer:
     def eos_id(self) -> int:
         return self._processor.eos_id()
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a response: EOS."""
+        return (self.eos_id,)
+
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"encode takes a str, got {type(text).__name__}; decode ids with decode()")

@@ -255,7 +255,7 @@ class Trainer:
         rollout = self.config.rollout
         prompts = [prompt_token_ids(self.tokenizer, r) for r in records for _ in range(rollout.group_size)]
         samples = generate(
-            self.engine.module, prompts, rollout, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+            self.engine.module, prompts, rollout, stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
             generator=self._generator(), lockstep_group=self.engine.dp_group, show_progress=self.logger.enabled,
             interrupt=self._abandon_if_stopped,
         )
@@ -275,7 +275,7 @@ class Trainer:
 
     def _response_text(self, samples: Samples, row: int) -> str:
         ids = response_token_ids(samples, row)
-        if ids and ids[-1] == self.tokenizer.eos_id:
+        if ids and ids[-1] in self.tokenizer.stop_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids)
 
@@ -419,7 +419,7 @@ class Trainer:
         records = self.test_records[self.dp_rank::self.dp_size]
         greedy = type(self.config.rollout)(**{**vars(self.config.rollout), "temperature": 0.0})
         prompts = [prompt_token_ids(self.tokenizer, r) for r in records]
-        samples = generate(self.engine.module, prompts, greedy, eos_id=self.tokenizer.eos_id,
+        samples = generate(self.engine.module, prompts, greedy, stop_ids=self.tokenizer.stop_ids,
                            pad_id=self.tokenizer.pad_id, generator=torch.Generator(device=self.engine.device),
                            lockstep_group=self.engine.dp_group)
         texts = [self._response_text(samples, row) for row in range(len(records))]

@@ -183,7 +183,7 @@ def _megatron_decode(trainer) -> None:
     model = trainer.engine.module
     model.lean_decode = False
     try:
-        generate(model, [[1, 5, 6, 7], [1, 8]], trainer.config.rollout, eos_id=2, pad_id=0,
+        generate(model, [[1, 5, 6, 7], [1, 8]], trainer.config.rollout, stop_ids=[2], pad_id=0,
                  generator=torch.Generator(device=trainer.engine.device), lockstep_group=trainer.engine.dp_group)
     finally:
         model.lean_decode = True

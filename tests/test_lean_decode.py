@@ -129,7 +129,7 @@ def _greedy(model, prompts: list[torch.Tensor], paths) -> dict:
         model.lean_decode, compiled = PATHS[path]
         config = RolloutConfig(max_new_tokens=GREEDY_NEW_TOKENS, temperature=0.0, compile_decode=compiled)
         samples = generate(
-            model, [p.tolist() for p in prompts], config, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0),
+            model, [p.tolist() for p in prompts], config, stop_ids=[EOS], pad_id=PAD, generator=torch.Generator().manual_seed(0),
         )
         results[path] = (samples.tokens, samples.rollout_logprobs, samples.response_lengths)
     model.lean_decode = True

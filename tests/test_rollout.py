@@ -62,7 +62,7 @@ def test_eos_ends_a_response_and_masks_line_up():
     # Step 0: token 3 for sure; step 1: EOS for sure.
     sure = lambda token: [0.0 if i == token else -1e4 for i in range(VOCAB)]  # noqa: E731
     policy = ScriptedPolicy([sure(3), sure(EOS), sure(4)])
-    samples = generate(policy, [[1, 5, 5], [1, 5]], _config(), eos_id=EOS, pad_id=PAD,
+    samples = generate(policy, [[1, 5, 5], [1, 5]], _config(), stop_ids=[EOS], pad_id=PAD,
                        generator=torch.Generator().manual_seed(0))
     assert samples.response_lengths.tolist() == [2, 2]
     assert response_token_ids(samples, 0) == [3, EOS] and response_token_ids(samples, 1) == [3, EOS]
@@ -79,16 +79,16 @@ def test_early_truncation_after_n_confident_tokens():
     confident = [0.0, 0.0, -1e4, 9.0, 0.0, 0.0]  # token 3 with probability ~0.9995
     policy = ScriptedPolicy([confident] * 8)
     config = _config(max_new_tokens=8, early_truncation_tokens=3, early_truncation_prob=0.99)
-    samples = generate(policy, [[1, 4]], config, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0))
+    samples = generate(policy, [[1, 4]], config, stop_ids=[EOS], pad_id=PAD, generator=torch.Generator().manual_seed(0))
     assert samples.truncated_early.tolist() == [True]
     assert samples.response_lengths.tolist() == [3]
-    off = generate(policy, [[1, 4]], _config(max_new_tokens=8), eos_id=EOS, pad_id=PAD,
+    off = generate(policy, [[1, 4]], _config(max_new_tokens=8), stop_ids=[EOS], pad_id=PAD,
                    generator=torch.Generator().manual_seed(0))
     assert off.truncated_early.tolist() == [False] and off.response_lengths.tolist() == [8]
 
 
 def test_same_seed_same_samples():
     logits = [[math.log(p) for p in (0.2, 0.2, 0.1, 0.2, 0.2, 0.1)]] * 5
-    runs = [generate(ScriptedPolicy(logits), [[1, 4]] * 4, _config(), eos_id=EOS, pad_id=PAD,
+    runs = [generate(ScriptedPolicy(logits), [[1, 4]] * 4, _config(), stop_ids=[EOS], pad_id=PAD,
                      generator=torch.Generator().manual_seed(3)).tokens for _ in range(2)]
     assert torch.equal(runs[0], runs[1])

@@ -53,7 +53,7 @@ def _greedy_rollouts(layout: dict, load_dir: str | None = None, save_dir: str | 
     rows = list(range(dp_rank, len(PROMPT_LENGTHS), dp_size))
     prompts = _prompts(model_cfg.vocab_size)
     samples = generate(model, [prompts[row] for row in rows], RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0),
-                       eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0),
+                       stop_ids=[EOS], pad_id=PAD, generator=torch.Generator().manual_seed(0),
                        lockstep_group=parallel_state.get_data_parallel_group())
     # Trimmed to prompt + response: the batch's padding width depends on which prompts share it.
     lengths = samples.prompt_lengths + samples.response_lengths
