@@ -84,7 +84,7 @@ class LossConfig:
     """The policy loss, chosen by name from the registry in megacispo.losses."""
 
     name: str = "cispo"
-    """One of cispo, grpo, dapo, reinforce."""
+    """One of cispo, grpo, dapo, gspo, reinforce."""
     params: dict[str, Any] = field(default_factory=dict)
     """Parameters of the chosen loss (cispo: eps_low, eps_high, mask_eps_low, mask_eps_high)."""
 

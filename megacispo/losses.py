@@ -553,3 +553,21 @@ def dapo_loss(inputs: PolicyLossInputs, *, eps_low: float = 0.2, eps_high: float
 def reinforce_loss(inputs: PolicyLossInputs) -> TokenLossTerms:
     """REINFORCE with the IS weight, unclipped: -sg(r) * A * logp (CISPO without clipping)."""
     return TokenLossTerms(per_token_loss=-inputs.ratio.detach() * inputs.advantages * inputs.logprobs)
+
+
+@register_policy_loss("gspo", aggregation="sequence_mean")
+def gspo_loss(inputs: PolicyLossInputs, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -> TokenLossTerms:
+    """GSPO (Qwen): PPO-clip on the sequence ratio s = exp(mean log r over the sequence's tokens); mean over sequences.
+
+    The sequence ratio is the geometric mean of the token ratios and carries the gradient
+    s * mean(grad log pi): every token of a sequence gets the same weight, and a sequence whose
+    ratio left [1 - eps_low, 1 + eps_high] on the side its advantage favours gets none. The paper's
+    bounds are this small because s averages out the token ratios' noise. Each token carries its
+    sequence's loss, so the per-sequence mean of ``sequence_mean`` is that loss. Sequences must be
+    whole in a row, as for grpo.
+    """
+    valid = inputs.valid_mask
+    num_tokens = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    sequence_log_ratio = torch.where(valid, inputs.log_ratio, 0.0).sum(dim=-1, keepdim=True) / num_tokens  # [b, 1]
+    sequence_ratio = torch.exp(sequence_log_ratio).expand_as(inputs.log_ratio)
+    return _ppo_clip_terms(dataclasses.replace(inputs, ratio=sequence_ratio), eps_low, eps_high)

@@ -64,7 +64,7 @@ def test_resolved_config_round_trips():
         ("data.overlong_prompts=cut", r"data.overlong_prompts = 'cut': use error, skip, truncate_left"),
         ("rollout.max_new_tokens=4096", r"rollout.max_new_tokens = 4096 leaves no room for a prompt"),
         ("data.max_prompt_tokens=4090", r"data.max_prompt_tokens = 4090 \+ rollout.max_new_tokens = 16 exceeds"),
-        ("rl.loss.name=ppo", r"rl.loss.name = 'ppo': use one of cispo, dapo, grpo, reinforce"),
+        ("rl.loss.name=ppo", r"rl.loss.name = 'ppo': use one of cispo, dapo, grpo, gspo, reinforce"),
         ("rl.loss.params.eps_hgh=1", r"rl.loss: unknown parameter\(s\) eps_hgh"),
         ("rl.old_logprobs=cached", r"rl.old_logprobs = 'cached'"),
         ("model.size=huge", r"config.model: model size 'huge' is unknown"),

@@ -124,6 +124,27 @@ def test_reinforce_closed_form():
     assert metrics["loss/clip_frac_high"] == 0 and metrics["loss/clip_frac_low"] == 0
 
 
+def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
+    # Sequence ratios: row 0 (1 * 1.25 * 6)^(1/3) = 7.5^(1/3), A = +1; row 1 (0.5 * 1.5)^(1/2) = 0.75^(1/2), A = -0.5.
+    s0, s1 = 7.5 ** (1 / 3), 0.75 ** 0.5
+    loss, grad, metrics = run_hand_case("gspo", eps_low=0.2, eps_high=0.28)
+    # Row 0 passes 1.28 with A > 0: clipped, no gradient. Row 1 stays above 0.8: -s1 * A, and
+    # d s1 / d logp_t = s1 / 2 on each of its 2 tokens; mean over the 2 sequences.
+    torch.testing.assert_close(loss, torch.tensor((-1.28 + 0.5 * s1) / 2, dtype=torch.float64), **TIGHT)
+    torch.testing.assert_close(grad, expect([[0.0, 0.0, 0.0], [0.5 * s1 / 2 / 2] * 2 + [0.0]]), **TIGHT)
+    torch.testing.assert_close(metrics["loss/clip_frac_high"], torch.tensor(3 / 5))  # row 0's 3 tokens
+    torch.testing.assert_close(metrics["loss/clip_frac_low"], torch.tensor(0.0))
+    # Bounds too wide to act: -s * A for both sequences, the gradient spread evenly over each one's tokens.
+    loss, grad, _ = run_hand_case("gspo", eps_low=1.0, eps_high=10.0)
+    torch.testing.assert_close(loss, torch.tensor((-s0 + 0.5 * s1) / 2, dtype=torch.float64), **TIGHT)
+    torch.testing.assert_close(grad, expect([[-s0 / 3 / 2] * 3, [0.5 * s1 / 2 / 2] * 2 + [0.0]]), **TIGHT)
+    # The paper's default bounds clip both sequences here: the loss is constant.
+    loss, grad, metrics = run_hand_case("gspo")
+    torch.testing.assert_close(loss, torch.tensor((-(1 + 4e-4) + 0.5 * (1 - 3e-4)) / 2, dtype=torch.float64), **TIGHT)
+    assert not grad.any()
+    torch.testing.assert_close(metrics["loss/clip_frac_low"], torch.tensor(2 / 5))
+
+
 # ---------------------------------------------------------------------------------------------
 # Random batches with prompts, padding and ratios away from 1 (as after a few off-policy updates)
 # ---------------------------------------------------------------------------------------------
@@ -438,7 +459,7 @@ def test_unknown_name_lists_every_registered_loss():
         compute_policy_loss("ppo_typo", logprobs, old_logprobs, advantages, loss_mask)
     for name in policy_loss_names():
         assert name in str(error.value)
-    assert set(policy_loss_names()) == {"cispo", "grpo", "dapo", "reinforce"}
+    assert set(policy_loss_names()) == {"cispo", "grpo", "dapo", "gspo", "reinforce"}
 
 
 def test_unknown_and_bad_params_list_the_valid_ones():
