@@ -244,11 +244,12 @@ def hf_update(hf_model, batch: RLBatch) -> Callable[[], None]:
 def our_generate(model, prompts: torch.Tensor, new_tokens: int, compile_decode: bool = False) -> torch.Tensor:
     """prompts [b, P] -> the greedy new tokens [b, new_tokens]."""
     from megacispo.config import RolloutConfig
-    from megacispo.rollout import generate
+    from megacispo.rollout import generate, sample_keys
 
     config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, compile_decode=compile_decode)
     # No stop ids: every sample runs all new_tokens steps, as min_new_tokens forces in HF.
-    samples = generate(model, prompts.tolist(), config, stop_ids=[], pad_id=0, generator=torch.Generator())
+    samples = generate(model, prompts.tolist(), config, stop_ids=[], pad_id=0,
+                       keys=sample_keys((0,), range(len(prompts)), 1, device="cpu"))
     return samples.tokens[:, prompts.shape[1] :]
 
 

@@ -8,14 +8,18 @@ import contextlib
 import logging
 import os
 import sys
+import time
 import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from megacispo.config import Config, load_config, max_prompt_tokens
-from megacispo.data import PromptLimit, PromptRecord, load_prompts
+from megacispo.data import PromptLimit, PromptRecord, RecordFields, load_prompts
 from megacispo.models.config import model_shape, parameter_counts
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import validate_layout, world_size_from_env
+
+if TYPE_CHECKING:
+    from megacispo.tokenizer import Tokenizer
 
 
 def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
@@ -32,6 +36,8 @@ def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
 
 
 BAD_INPUT_EXIT_CODE = 2  # argparse's status for a bad command line: one status for every bad input
+# How long the ranks that do not print a bad-input error wait before exiting (rank 0 exits at once).
+QUIET_RANK_EXIT_DELAY_S = 10.0
 
 
 class BadInput(SystemExit):
@@ -64,6 +70,10 @@ def bad_input_exits(kind: type[ValueError] = ValueError):
         message = f"error: {error}"
         if is_rank_zero():
             print(message, file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every worker once the first one exits: a rank that found the error before
+            # rank 0 (a loaded machine) would otherwise take rank 0 down before it prints it.
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         raise BadInput(message) from None
 
 
@@ -79,7 +89,7 @@ def start_up(args: argparse.Namespace, check_batches: Callable[[Config, int], No
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.set) + ([f"{args.load_field}={args.load}"] if args.load else [])
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides, load_field=args.load_field)
     world_size = world_size_from_env()
     validate_layout(config.parallel, world_size, model_shape(config.model))
     check_batches(config, config.parallel.data_parallel_size(world_size))
@@ -131,8 +141,8 @@ def plan(config: Config, world_size: int) -> str:
     ])
 
 
-def load_tokenizer(config: Config):
-    """The run's tokenizer, checked against the model's vocabulary."""
+def load_tokenizer(config: Config) -> Tokenizer:
+    """The run's tokenizer, checked against the model's vocabulary and data.chat_template."""
     from megacispo.tokenizer import Tokenizer
 
     path = _data_path(config, "tokenizer")
@@ -145,24 +155,36 @@ def load_tokenizer(config: Config):
             f"data.tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} pieces but model.vocab_size = "
             f"{config.model.vocab_size}: retrain the tokenizer smaller or set model.vocab_size >= {tokenizer.vocab_size}"
         )
+    if config.data.chat_template and not tokenizer.has_chat_template:
+        raise ValueError(
+            f"data.chat_template = true but data.tokenizer {config.data.tokenizer} has no chat template: set "
+            "data.tokenizer to a Hugging Face tokenizer directory whose tokenizer_config.json (or "
+            "chat_template.jinja) defines one, or set data.chat_template: false"
+        )
     return tokenizer
 
 
 def load_rl_prompts(config: Config, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord], dict[str, float]]:
     """data.train_prompts and data.test_prompts (optional), each prompt tokenized once and held to the
     RL prompt limit; with the counts of prompts data.overlong_prompts skipped or truncated, as metrics."""
+    names = ["train_prompts", "test_prompts"] if config.data.test_prompts else ["train_prompts"]
+    loaded, metrics = {"test_prompts": []}, {}
+    for name in names:
+        loaded[name], counts = load_rl_prompt_file(config, tokenizer, name)
+        metrics.update(counts)
+    return loaded["train_prompts"], loaded["test_prompts"], metrics
+
+
+def load_rl_prompt_file(config: Config, tokenizer, name: str) -> tuple[list[PromptRecord], dict[str, float]]:
+    """The records of data.<name> (train_prompts or test_prompts) held to the RL prompt limit, with
+    data/<name>_skipped and data/<name>_truncated: what data.overlong_prompts did to them."""
     data, context = config.data, config.model.max_position_embeddings
     bound = f"data.max_prompt_tokens = {max_prompt_tokens(config)}"
     if not data.max_prompt_tokens:
         bound += f" (model.max_position_embeddings {context} - rollout.max_new_tokens {config.rollout.max_new_tokens})"
-    names = ["train_prompts", "test_prompts"] if data.test_prompts else ["train_prompts"]
-    loaded, metrics = {"test_prompts": []}, {}
-    for name in names:
-        limit = PromptLimit(tokenizer, max_prompt_tokens(config), bound, data.overlong_prompts)
-        loaded[name] = _load_data_file(config, name, limit)
-        metrics[f"data/{name}_skipped"] = limit.num_skipped
-        metrics[f"data/{name}_truncated"] = limit.num_truncated
-    return loaded["train_prompts"], loaded["test_prompts"], metrics
+    limit = PromptLimit(tokenizer, max_prompt_tokens(config), bound, data.overlong_prompts)
+    records = _load_data_file(config, name, limit)
+    return records, {f"data/{name}_skipped": limit.num_skipped, f"data/{name}_truncated": limit.num_truncated}
 
 
 def load_sft_data(config: Config, tokenizer) -> list[PromptRecord]:
@@ -181,10 +203,13 @@ def _data_path(config: Config, name: str) -> str:
 
 
 def _load_data_file(config: Config, name: str, limit: PromptLimit) -> list[PromptRecord]:
-    """The records of data.<name>; says on rank 0 how many data.overlong_prompts changed."""
+    """The records of data.<name>, their fields at data.prompt_key and data.answer_key, rendered through the
+    chat template with data.chat_template; says on rank 0 how many data.overlong_prompts changed."""
     path = _data_path(config, name)
+    data = config.data
     try:
-        records = load_prompts(path, limit)
+        fields = RecordFields(data.prompt_key, data.answer_key, data.chat_template)
+        records = load_prompts(path, limit, fields)
     except ValueError as error:
         raise ValueError(f"data.{name}: {error}") from None
     changed = limit.num_skipped or limit.num_truncated

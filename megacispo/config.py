@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -77,6 +78,8 @@ class RolloutConfig:
     """Run each decode step through torch.compile (TP = PP = EP = 1, no Transformer Engine); the first steps compile."""
     max_running: int = 0
     """Sequences decoded together per rank; a finished one's slot takes the next waiting sample (0: all at once)."""
+    max_cache_gib: float = 0.0
+    """Cap on the rollout cache of max_running slots per GPU, GiB, checked at start-up (0: no cap)."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +90,20 @@ class LossConfig:
     """One of cispo, grpo, dapo, gspo, reinforce."""
     params: dict[str, Any] = field(default_factory=dict)
     """Parameters of the chosen loss (cispo: eps_low, eps_high, mask_eps_low, mask_eps_high)."""
+
+
+@dataclass(kw_only=True)
+class RolloutCorrectionConfig:
+    """Importance-sampling correction for the gap between rollout and training probabilities (any loss)."""
+
+    mode: str = "none"
+    """none; tis (weight each token's loss by min(r, threshold_high)); mis_token or mis_sequence (drop
+    tokens, or sequences by their geometric-mean r, with r outside [threshold_low, threshold_high]);
+    r = pi_train / pi_rollout."""
+    threshold_low: float = 0.5
+    """The lower end of the kept range of r (mis_*)."""
+    threshold_high: float = 2.0
+    """The cap of the tis weight, and the upper end of the kept range of r (mis_*)."""
 
 
 @dataclass(kw_only=True)
@@ -113,6 +130,8 @@ class RLConfig:
     """The largest overlong penalty."""
     advantage_eps: float = 1e-6
     """Added to the group std when normalizing advantages."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance-sampling correction between rollout and training probabilities."""
 
 
 @dataclass(kw_only=True)
@@ -371,14 +390,61 @@ def _read_config_file(path: str) -> dict:
     return tree
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Read a YAML file (or start from defaults), apply dotted overrides, build and validate."""
+def load_config(path: str | None, overrides: list[str] = (), load_field: str | None = None) -> Config:
+    """Read a YAML file (or start from defaults), apply dotted overrides, build and validate.
+
+    ``load_field``: the entry point's starting checkpoint (train.load or sft.load). When it names a
+    Hugging Face directory, the model section is the model of its config.json: the config may
+    repeat a field of it but not contradict it."""
     tree = _read_config_file(path) if path else {}
     for text in overrides:
         _set_dotted(tree, *parse_override(text))
+    hf_dir = _hf_load(tree, load_field)
+    if hf_dir is not None:
+        tree["model"] = _model_values_from_hf(tree.get("model", {}), hf_dir, load_field)
     config = _build(Config, tree, "config")
     validate_config(config)
     return config
+
+
+def _hf_load(tree: dict, load_field: str | None) -> str | None:
+    """The Hugging Face directory that ``load_field`` names in the raw config tree, if it names one."""
+    from megacispo.hf_checkpoint import is_hf_directory
+
+    if load_field is None:
+        return None
+    section_name, name = load_field.split(".")
+    section = tree.get(section_name)
+    value = section.get(name) if isinstance(section, dict) else None
+    return value if isinstance(value, str) and value and is_hf_directory(value) else None
+
+
+# What config.json does not describe: how the model computes, which the run config may choose.
+_NOT_IN_HF_CONFIG = ("fp32_lm_head",)
+
+
+def _model_values_from_hf(explicit: Any, hf_dir: str, load_field: str) -> dict:
+    """The model section's values for a run that starts from the HF directory ``hf_dir``: its
+    config.json's model, with the explicit fields of the config checked against it (ValueError
+    naming the field and both values when one disagrees)."""
+    from megacispo.hf_checkpoint import CONFIG_FILE, hf_model_config
+
+    if not isinstance(explicit, dict):
+        raise ValueError(f"config.model: expected a mapping of HybridModelConfig fields, got {explicit!r}")
+    config_path = Path(hf_dir) / CONFIG_FILE
+    if "size" in explicit:
+        raise ValueError(f"model.size = {explicit['size']!r}: the model comes from {config_path} ({load_field}); "
+                         f"remove model.size")
+    try:
+        from_hf = dataclasses.asdict(hf_model_config(hf_dir))
+    except ValueError as error:
+        raise ValueError(f"{load_field}: {error}") from None
+    given = _typed_fields(HybridModelConfig, explicit, "model")
+    for name, value in given.items():
+        if name not in _NOT_IN_HF_CONFIG and value != from_hf[name]:
+            raise ValueError(f"model.{name} = {value!r} in the config but {from_hf[name]!r} in {config_path} "
+                             f"({load_field}): remove it or make them agree")
+    return {**from_hf, **given}
 
 
 @dataclass(frozen=True)
@@ -419,12 +485,15 @@ _RANGES: dict[str, _Range] = {
     "rollout.early_truncation_prob": _FRACTION,
     "rollout.max_sampling_rounds": _AT_LEAST_1,
     "rollout.max_running": _Range(0, note="0: all of a rank's samples at once"),
+    "rollout.max_cache_gib": _Range(0, note="0: no cap"),
     "rl.updates_per_rollout": _AT_LEAST_1,
     "rl.max_reward_failure_frac": _Range(0, 1, note="1: never stop"),
     "rl.overlong_max_length": _Range(0, note="0: off"),
     "rl.overlong_cache_length": _AT_LEAST_0,
     "rl.overlong_penalty": _AT_LEAST_0,
     "rl.advantage_eps": _AT_LEAST_0,
+    "rl.rollout_correction.threshold_low": _FRACTION,
+    "rl.rollout_correction.threshold_high": _Range(1),
     "optimizer.lr": _POSITIVE,
     "optimizer.min_lr": _AT_LEAST_0,
     "optimizer.warmup_steps": _AT_LEAST_0,
@@ -452,13 +521,14 @@ _RANGES: dict[str, _Range] = {
 
 
 def _value(config: Config, dotted: str) -> Any:
-    section, name = dotted.split(".")
-    return getattr(getattr(config, section), name)
+    return functools.reduce(getattr, dotted.split("."), config)
 
 
 def validate_config(config: Config) -> None:
     """Every value and every cross-field rule that needs neither the world size nor the model built;
     each error names the field, the value and the fix."""
+    from megacispo.metrics import check_logging
+
     for name, allowed in _RANGES.items():
         value = _value(config, name)
         if value not in allowed:
@@ -467,7 +537,9 @@ def validate_config(config: Config) -> None:
     _check_cross_fields(config)
     _check_lengths(config)
     _check_compile_decode(config)
+    _check_rollout_memory(config)
     check_precision_and_recompute(config.model, config.parallel, config.precision, config.recompute)
+    check_logging(config.logging)
 
 
 def _check_choices(config: Config) -> None:
@@ -475,12 +547,16 @@ def _check_choices(config: Config) -> None:
     from megacispo.data import OVERLONG_PROMPTS
     from megacispo.losses import policy_loss_names, validate_policy_loss_params
     from megacispo.rewards import get_reward_fn
+    from megacispo.rollout_correction import CORRECTION_MODES
 
     rl = config.rl
     if not config.train.run_dir:
         raise ValueError("train.run_dir is empty: name the directory for the run's checkpoints and logs")
     if rl.old_logprobs not in ("recompute", "rollout"):
         raise ValueError(f"rl.old_logprobs = {rl.old_logprobs!r}: use recompute or rollout")
+    if rl.rollout_correction.mode not in CORRECTION_MODES:
+        raise ValueError(f"rl.rollout_correction.mode = {rl.rollout_correction.mode!r}: use one of "
+                         f"{', '.join(CORRECTION_MODES)}")
     if config.data.overlong_prompts not in OVERLONG_PROMPTS:
         raise ValueError(f"data.overlong_prompts = {config.data.overlong_prompts!r}: use {', '.join(OVERLONG_PROMPTS)}")
     if rl.loss.name not in policy_loss_names():
@@ -567,6 +643,12 @@ def _check_micro_batches(config: Config, per_rank: int, what: str) -> None:
             f"train.micro_batch_size = {size} does not divide the {per_rank} {what} on a data-parallel rank: "
             f"choose a divisor of {per_rank}, or {per_rank} or more for one micro-batch"
         )
+
+
+def _check_rollout_memory(config: Config) -> None:
+    from megacispo.rollout import check_rollout_memory
+
+    check_rollout_memory(config)
 
 
 def _check_compile_decode(config: Config) -> None:

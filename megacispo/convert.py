@@ -151,22 +151,26 @@ class HFCheckpoint:
 def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
     """config.json and each tensor's file, shape and dtype; checks that every listed file exists
     and that the index names only tensors its files hold. Reads headers only, no tensor data."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     directory = Path(hf_dir)
     if not directory.is_dir():
-        raise ValueError(f"--hf-dir {directory}: no such directory.")
+        raise ValueError(f"{directory}: no such directory; pass a Hugging Face model directory.")
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
-        raise ValueError(f"--hf-dir {directory}: it has no {CONFIG_FILE}; pass a Hugging Face model directory.")
-    config = json.loads(config_path.read_text())
+        raise ValueError(f"{directory}: it has no {CONFIG_FILE}; pass a Hugging Face model directory.")
+    config = read_json(config_path)
     index_path = directory / INDEX_FILE
     if index_path.is_file():
-        file_of = dict(json.loads(index_path.read_text())["weight_map"])
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path} has no weight_map object: download it again.")
+        file_of = dict(weight_map)
     elif (directory / SINGLE_FILE).is_file():
         file_of = {}
     else:
-        raise ValueError(f"--hf-dir {directory}: neither {INDEX_FILE} nor {SINGLE_FILE} is there.")
+        raise ValueError(f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE} is there; pass a Hugging Face model "
+                         f"directory with its weights.")
     files = sorted(set(file_of.values())) or [SINGLE_FILE]
     listed_by_index = bool(file_of)
     shape_of, dtype_of = {}, {}
@@ -178,12 +182,15 @@ def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
                 f"shard {path} is missing: {INDEX_FILE} places tensor {first} (and others) in it. "
                 f"Download the complete checkpoint."
             )
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                tensor_slice = handle.get_slice(name)
-                shape_of[name], dtype_of[name] = tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
-                if not listed_by_index:
-                    file_of[name] = file_name
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    tensor_slice = handle.get_slice(name)
+                    shape_of[name], dtype_of[name] = tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
+                    if not listed_by_index:
+                        file_of[name] = file_name
+        except SafetensorError as error:
+            raise ValueError(f"{path} is not a readable safetensors file ({error}): download it again.") from None
     for name, file_name in file_of.items():
         if name not in shape_of:
             raise ValueError(
@@ -191,6 +198,17 @@ def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
                 f"hold it."
             )
     return HFCheckpoint(directory, config, file_of, shape_of, dtype_of)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of an HF directory; ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): download it again.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object: download it again.")
+    return value
 
 
 class HFTensorReader:
@@ -249,7 +267,8 @@ def check_no_unknown_tensors(checkpoint: HFCheckpoint, mappings: list) -> None:
             )
 
 
-def _hf_params_dtype(checkpoint: HFCheckpoint, requested: str) -> torch.dtype:
+def hf_params_dtype(checkpoint: HFCheckpoint, requested: str = "auto") -> torch.dtype:
+    """``requested`` (a name of DTYPES), or for "auto" the dtype the HF tensors are stored in."""
     if requested != "auto":
         return DTYPES[requested]
     name = "model.embed_tokens.weight"
@@ -264,7 +283,7 @@ def _hf_params_dtype(checkpoint: HFCheckpoint, requested: str) -> torch.dtype:
     return by_safetensors_name[dtype]
 
 
-def _check_hf_shapes(checkpoint: HFCheckpoint, mappings: list, global_shapes: dict[str, tuple[int, ...]]) -> None:
+def check_hf_shapes(checkpoint: HFCheckpoint, mappings: list, global_shapes: dict[str, tuple[int, ...]]) -> None:
     """Before anything is written: every HF tensor is there, the ones merged into one of ours agree
     with each other, and they give our tensor the shape the model has."""
     for mapping in mappings:
@@ -539,7 +558,7 @@ def _check_new(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _temporary_beside(out: Path) -> Iterator[Path]:
+def temporary_beside(out: Path) -> Iterator[Path]:
     """A fresh directory beside ``out`` (checked not to exist), renamed to ``out`` when the block
     succeeds and removed when it fails: a failed conversion leaves nothing behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -578,26 +597,29 @@ def hf_to_megatron(
 
     out = Path(out)
     _check_new(out)
-    checkpoint = read_hf_checkpoint(hf_dir)
+    try:
+        checkpoint = read_hf_checkpoint(hf_dir)
+    except ValueError as error:
+        raise ValueError(f"--hf-dir {error}") from None
     config = hf_names.config_from_hf(checkpoint.config, rotary_dim=rotary_dim)
     parallel = _layout_parallel_config(config, tp, pp, ep, etp)
     layout = hf_names.detect_experts_layout(checkpoint.file_of)
     mappings = hf_names.tensor_mappings(config, layout)
     check_no_unknown_tensors(checkpoint, mappings)
-    params_dtype = _hf_params_dtype(checkpoint, dtype)
+    params_dtype = hf_params_dtype(checkpoint, dtype)
     chunks, objects = checkpoint_contents(config, params_dtype)
     global_shapes = {chunk.key: chunk.global_shape for chunk in chunks}
     assert global_shapes.keys() == {mapping.key for mapping in mappings}, "hf_names and the model disagree"
-    _check_hf_shapes(checkpoint, mappings, global_shapes)
+    check_hf_shapes(checkpoint, mappings, global_shapes)
 
     source = HFChunkSource(HFTensorReader(checkpoint, meter), mappings, layout, params_dtype)
     step_name = checkpoint_dir(out, CONVERTED_STEP).name
-    with _temporary_beside(out) as temporary:
+    with temporary_beside(out) as temporary:
         step_dir = temporary / step_name
         step_dir.mkdir()
         write_distributed_checkpoint(step_dir, chunks, objects, source.read, progress=progress)
         _write_megatron_files(step_dir)
-        precision = dataclasses.replace(Config().precision, params_dtype=_dtype_name(params_dtype))
+        precision = dataclasses.replace(Config().precision, params_dtype=dtype_name(params_dtype))
         config_dict = to_dict(dataclasses.replace(Config(), model=config, parallel=parallel, precision=precision))
         _write_meta(step_dir, config_dict, {
             "converted_from": str(Path(hf_dir).resolve()),
@@ -606,7 +628,8 @@ def hf_to_megatron(
     return out / step_name
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The DTYPES name of ``dtype`` (as precision.params_dtype spells it)."""
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
@@ -787,14 +810,30 @@ def megatron_to_hf(
 ) -> Path:
     """Write an HF directory for a megacispo checkpoint; nothing is left at ``out`` on failure.
     ``meter`` counts the bytes of the tensors held at once."""
+    out = Path(out)
+    _check_new(out)
+    with temporary_beside(out) as temporary:
+        write_hf_files(ckpt, temporary, max_shard_bytes=max_shard_bytes, progress=progress, meter=meter)
+    return out
+
+
+def write_hf_files(
+    ckpt: str | os.PathLike,
+    directory: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+    meter: TensorMeter | None = None,
+) -> None:
+    """The safetensors shards, their index and config.json of a megacispo checkpoint, written into
+    the existing empty ``directory`` (megatron_to_hf and megacispo.hf_checkpoint.export_hf make it
+    beside their output and rename it when everything is written)."""
     from tqdm import tqdm
 
     from megacispo.checkpoint import read_meta, resolve_checkpoint
     from megacispo.models import hf_names
     from megacispo.models.config import HybridModelConfig
 
-    out = Path(out)
-    _check_new(out)
     if max_shard_bytes < 1:
         raise ValueError(f"--max-shard-bytes = {max_shard_bytes}: it must be positive.")
     step_dir = resolve_checkpoint(ckpt)
@@ -813,27 +852,25 @@ def megatron_to_hf(
     plan = _hf_tensor_plan(reader, config)
     entries = [(name, shape, dtype) for names, dtype, _ in plan for name, shape in names]
     total_bytes = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
-    with _temporary_beside(out) as temporary:
-        writer = SafetensorsShardWriter(temporary, _plan_shards(entries, max_shard_bytes))
-        with tqdm(total=total_bytes, desc="megatron-to-hf", unit="B", unit_scale=True, disable=not progress) as bar:
-            for _, _, read in plan:
-                for name, tensor in read().items():
-                    writer.write(name, tensor)
-                    bar.update(tensor.nbytes)
-        writer.close()
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(writer.weight_map().items()))}
-        (temporary / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        hf_config = {
-            "architectures": ["MiniMaxForCausalLM"], "model_type": "minimax",
-            "dtype": params_dtype_of(meta),
-            **hf_names.config_to_hf(config),
-        }
-        (temporary / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
-    return out
+    writer = SafetensorsShardWriter(directory, _plan_shards(entries, max_shard_bytes))
+    with tqdm(total=total_bytes, desc="megatron-to-hf", unit="B", unit_scale=True, disable=not progress) as bar:
+        for _, _, read in plan:
+            for name, tensor in read().items():
+                writer.write(name, tensor)
+                bar.update(tensor.nbytes)
+    writer.close()
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(writer.weight_map().items()))}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    hf_config = {
+        "architectures": ["MiniMaxForCausalLM"], "model_type": "minimax",
+        "dtype": params_dtype_of(meta),
+        **hf_names.config_to_hf(config),
+    }
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line (tools/convert_checkpoint.py; megacispo.score runs it as python -m megacispo.convert)
+# Command line (tools/convert_checkpoint.py)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,9 @@
 optimizer (AdamW 0.9 / 0.95 / 1e-15, distributed across data-parallel ranks), the LR schedule, and
 the forward(-backward) passes over micro-batches through Megatron-Core's pipeline schedules.
 
-Both entry points (megacispo.train for RL, megacispo.sft for the warm start) use it.
+Both training entry points (megacispo.train for RL, megacispo.sft for the warm start) use it;
+``build_inference_model`` builds the model alone, for the entry points that only run it
+(megacispo.eval, megacispo.score).
 """
 
 from __future__ import annotations
@@ -22,10 +24,29 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megacispo.config import Config
-from megacispo.models.config import transformer_config
+from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig, transformer_config
 from megacispo.models.model import HybridModel
-from megacispo.parallel.layout import run_device
+from megacispo.parallel.layout import ParallelConfig, run_device
 from megacispo.parallel.vocab_parallel import lm_head_input, lm_head_logprobs
+
+
+def build_inference_model(
+    config: HybridModelConfig, params_dtype: torch.dtype | str, parallel: ParallelConfig
+) -> HybridModel:
+    """This rank's piece of the model for inference (evaluation, scoring), in eval mode, without DDP or an
+    optimizer; its weights are left uninitialized: the caller loads them all from a checkpoint.
+    ``params_dtype``: torch.float32 / torch.bfloat16 or its name (a checkpoint records the name)."""
+    if isinstance(params_dtype, str):
+        if params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"params_dtype = {params_dtype!r}: use one of {', '.join(PARAMS_DTYPES)}.")
+        params_dtype = PARAMS_DTYPES[params_dtype]
+    megatron_config = transformer_config(config, parallel, params_dtype=params_dtype)
+    # Every weight comes from the checkpoint: random initialization would only cost time.
+    megatron_config.perform_initialization = False
+    return HybridModel(
+        config, megatron_config, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    ).eval()
 
 
 @dataclass

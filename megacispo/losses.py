@@ -294,6 +294,7 @@ def compute_policy_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     global_counts: GlobalCounts | None = None,
+    token_weights: torch.Tensor | None = None,
     **params: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step loss of policy loss ``name``, and its metrics.
@@ -306,6 +307,9 @@ def compute_policy_loss(
         loss_mask: [batch, seq], nonzero on response tokens; prompt and padding are 0.
         global_counts: from ``compute_global_counts`` over the whole step. None uses this batch's
             own counts: right for a single micro-batch on a single rank only.
+        token_weights: [batch, seq] detached factors of each token's loss, or None: a correction for
+            the gap between rollout and training probabilities (megacispo.rollout_correction, tis),
+            applied the same way to every loss.
         params: the loss's parameters (``describe_policy_losses()``), e.g. eps_high=4.0.
 
     Returns:
@@ -320,13 +324,17 @@ def compute_policy_loss(
     spec = get_policy_loss(name)
     params = validate_policy_loss_params(name, params)
     tensor_params = {key: value for key, value in params.items() if isinstance(value, torch.Tensor)}
-    _check_input_shapes(logprobs, old_logprobs, advantages, loss_mask, tensor_params)
+    _check_input_shapes(logprobs, old_logprobs, advantages, loss_mask,
+                        {**tensor_params, **({} if token_weights is None else {"token_weights": token_weights})})
     if global_counts is None:
         global_counts = compute_global_counts([loss_mask], [old_logprobs])
 
     inputs = _prepare_inputs(logprobs, old_logprobs, advantages, loss_mask)
     terms = spec.fn(inputs, **params)
-    loss = aggregate_loss(terms.per_token_loss, inputs.valid_mask, spec.aggregation, global_counts)
+    per_token_loss = terms.per_token_loss
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach().to(per_token_loss.dtype)
+    loss = aggregate_loss(per_token_loss, inputs.valid_mask, spec.aggregation, global_counts)
     num_dropped = ((loss_mask != 0) & ~torch.isfinite(old_logprobs)).sum()
     metrics = _loss_metrics(inputs, terms, global_counts, loss, num_dropped)
     return loss, metrics

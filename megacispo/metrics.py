@@ -2,12 +2,14 @@
 
 Every rank computes its metrics and the caller reduces them to the step's values (for the loss
 terms, ``losses.reduce_metrics``); a ``MetricsLogger`` then writes them on the logging rank only:
-TensorBoard event files under ``run_dir/tensorboard`` and one readable console line per step.
+TensorBoard event files under ``run_dir/tensorboard``, one readable console line per step and,
+with logging.wandb, a Weights & Biases run (files under ``run_dir/wandb``) with the same keys and steps.
 
 Keys are namespaced ``group/name`` (TensorBoard draws one section per group): ``rollout/...``,
 ``loss/...``, ``train/...``, ``perf/...``, ``moe/...``. Each scalar is logged against the step and,
 when the caller passes the number of consumed samples, also against it under
-``<key>_vs_samples`` (next to the step chart, as Megatron logs "<name> vs samples").
+``<key>_vs_samples`` (next to the step chart, as Megatron logs "<name> vs samples"); W&B gets
+the count as one more metric, ``consumed_samples``, which its charts can take as their x-axis.
 """
 
 from __future__ import annotations
@@ -17,14 +19,22 @@ import math
 import re
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 
+if TYPE_CHECKING:
+    from megacispo.config import Config, LoggingConfig
+
 TENSORBOARD_DIR = "tensorboard"
 VS_SAMPLES_SUFFIX = "_vs_samples"
-_KEY = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)+")
+CONSUMED_SAMPLES_KEY = "consumed_samples"
+WANDB_INSTALL = "pip install -e .[wandb]"
+# "@" for evaluation's pass@k and mean@k.
+_KEY = re.compile(r"[A-Za-z0-9_.@\-]+(/[A-Za-z0-9_.@\-]+)+")
 _PHASE = re.compile(r"[a-z0-9_]+")
 _PHASE_KEY = re.compile(r"perf/time_([a-z0-9_]+)_s")
 
@@ -181,8 +191,8 @@ def _check_keys(metrics: Mapping[str, object]) -> None:
     for key in metrics:
         if not isinstance(key, str) or not _KEY.fullmatch(key):
             raise ValueError(
-                f"metric key {key!r} is not namespaced: use 'group/name' with letters, digits, '_', '.', '-' "
-                f"(e.g. 'rollout/reward_mean', 'loss/clip_frac_high', 'perf/tokens_per_s')."
+                f"metric key {key!r} is not namespaced: use 'group/name' with letters, digits, '_', '.', '-', '@' "
+                f"(e.g. 'rollout/reward_mean', 'loss/clip_frac_high', 'eval/pass@4')."
             )
 
 
@@ -211,19 +221,70 @@ def format_console_line(step: int, metrics: Mapping[str, float]) -> str:
     return " | ".join(parts)
 
 
+@dataclass(frozen=True)
+class WandbSettings:
+    """The Weights & Biases run a MetricsLogger also writes to (logging.wandb)."""
+
+    project: str
+    name: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Shown as the W&B run's config: the run's resolved config."""
+
+
+def _import_wandb() -> ModuleType:
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(
+            f"logging.wandb = true but the wandb package is not installed: {WANDB_INSTALL} "
+            "(or set logging.wandb = false)"
+        ) from None
+    return wandb
+
+
+def check_logging(logging_config: LoggingConfig) -> None:
+    """The start-up check of the logging section (validate_config runs it): W&B is an optional
+    extra, and a run that asks for it must fail before any model is built, not at its first step."""
+    if not logging_config.wandb:
+        return
+    if not logging_config.wandb_project:
+        raise ValueError("logging.wandb_project is empty: name the W&B project (e.g. megacispo)")
+    _import_wandb()
+
+
 class MetricsLogger:
     """Writes a run's scalars on the logging rank (``enabled``); elsewhere every call does nothing.
 
-    ``MetricsLogger(run_dir, enabled=is_logging_rank())``; ``log(step, metrics)`` once per step;
-    ``close()`` at the end (or use it as a context manager). The event file is created by the first
-    ``log``: a run that fails before it leaves nothing in its run directory.
+    ``MetricsLogger(run_dir, enabled=is_logging_rank())``, or ``MetricsLogger.from_config(config,
+    enabled)``; ``log(step, metrics)`` once per step; ``close()`` at the end (or use it as a context
+    manager). The event file is created by the first ``log``: a run that fails before it leaves no
+    TensorBoard files. The W&B run (``wandb``) starts here, so that a login or network problem shows
+    at start-up rather than after the first rollout.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool, console: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, enabled: bool, console: bool = True,
+                 wandb: WandbSettings | None = None) -> None:
         self.enabled = enabled
         self.console = console
         self.log_dir = Path(run_dir) / TENSORBOARD_DIR
         self._writer = None
+        self._wandb_run = _start_wandb(Path(run_dir), wandb) if enabled and wandb is not None else None
+
+    @classmethod
+    def from_config(cls, config: Config, enabled: bool, run_dir: str | Path | None = None) -> MetricsLogger:
+        """The logger of a run of ``config`` under ``run_dir`` (default: train.run_dir), writing to W&B
+        too when logging.wandb: its run is named logging.wandb_run_name or else train.run_dir's name."""
+        from megacispo.config import to_dict
+
+        logging_config = config.logging
+        wandb = None
+        if enabled and logging_config.wandb:
+            wandb = WandbSettings(
+                project=logging_config.wandb_project,
+                name=logging_config.wandb_run_name or Path(config.train.run_dir).name,
+                config=to_dict(config),
+            )
+        return cls(run_dir or config.train.run_dir, enabled, wandb=wandb)
 
     def log(
         self,
@@ -247,6 +308,9 @@ class MetricsLogger:
                 self._writer.add_scalar(key + VS_SAMPLES_SUFFIX, value, consumed_samples)
         # Once per step: TensorBoard sees progress at once and a crash loses nothing.
         self._writer.flush()
+        if self._wandb_run is not None:
+            samples = {} if consumed_samples is None else {CONSUMED_SAMPLES_KEY: consumed_samples}
+            self._wandb_run.log({**values, **samples}, step=step)
         if self.console:
             print(format_console_line(step, values), flush=True)
 
@@ -254,12 +318,23 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _start_wandb(run_dir: Path, settings: WandbSettings) -> Any:
+    """A W&B run whose files go under ``run_dir/wandb`` (offline too: WANDB_MODE=offline)."""
+    wandb = _import_wandb()
+    # wandb.init writes its wandb/ folder inside ``dir`` and wants ``dir`` to exist.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=settings.project, name=settings.name, config=dict(settings.config), dir=str(run_dir))
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:

@@ -23,6 +23,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable, Sequence
 
 from megacispo.data import PromptRecord
+from megacispo.math_grading import math_equal
 
 logger = logging.getLogger(__name__)
 
@@ -155,41 +156,20 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-_TEXT_COMMAND = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-# Spacing commands and sizing prefixes that change how an answer looks, never what it is.
-_REMOVED_TOKENS = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}")
-
-
-def normalize_math_answer(text: str) -> str:
-    """A canonical string for comparing math answers: spacing, $, \\text{}, \\dfrac forms removed."""
-    text = _TEXT_COMMAND.sub(r"\1", text)
-    for token in _REMOVED_TOKENS:
-        text = text.replace(token, "")
-    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = "".join(text.split())
-    return text.rstrip(".")
-
-
-def math_answers_equal(predicted: str, reference: str) -> bool:
-    predicted, reference = normalize_math_answer(predicted), normalize_math_answer(reference)
-    if predicted == reference:
-        return True
-    predicted_number, reference_number = parse_number(predicted), parse_number(reference)
-    # "0.50" and "0.5", "1,000" and "1000" are the same answer.
-    return predicted_number is not None and predicted_number == reference_number
-
-
 @register_reward("boxed_math")
 def boxed_math(response: str, record: PromptRecord) -> float:
-    """1.0 if the last \\boxed{...} of the response matches the answer after normalization, else 0.0.
+    """1.0 if the last \\boxed{...} of the response equals the answer mathematically, else 0.0.
 
-    The answer may itself be boxed (datasets often store the solution's final \\boxed{...}).
+    The answer may itself be boxed (datasets often store the solution's final \\boxed{...}) or plain
+    ("3/4", "1,000", "\\frac{1}{2}"). math-verify decides (``math_grading``): equivalent forms count,
+    a percentage equals its number both ways (50\\% is 50 and 0.5), (1,2) and [1,2] are different
+    intervals, and a comparison over ``math_grading.ANSWER_TIMEOUT_S`` scores 0.0.
     """
     predicted = last_boxed(response)
     if predicted is None:
         return 0.0
     reference = last_boxed(record.answer)
-    return float(math_answers_equal(predicted, record.answer if reference is None else reference))
+    return float(math_equal(predicted, record.answer if reference is None else reference))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,10 +7,10 @@ Each input line is a JSON object with "tokens": [ids]; the output line is the sa
 "logprobs", where logprobs[i] = log p(tokens[i + 1] | tokens[: i + 1]) (length len(tokens) - 1),
 computed in fp32 from the model's vocab-sharded logits with vocab_parallel_logprobs over the TP
 group. --load is a megacispo checkpoint (a step_* directory, or a checkpoints root: its newest
-step) or a Hugging Face directory, which rank 0 first converts into a temporary directory beside
---out with megacispo.convert (in a subprocess: the converter needs a world of its own). The
-sequences are split over the data-parallel ranks, one sequence per forward; rank 0 writes --out
-atomically. The forward runs through Megatron's schedule, so --pp > 1 splits the layers into
+step) or a Hugging Face directory, checked against its config.json before any process group
+exists, of whose tensors every rank reads its own piece (megacispo.hf_checkpoint.load_hf_weights,
+in the dtype they are stored in). The sequences are split over the data-parallel ranks, one
+sequence per forward; rank 0 writes --out atomically. The forward runs through Megatron's schedule, so --pp > 1 splits the layers into
 stages; --ep spreads the experts over ranks and --etp splits each expert (default: --tp; --etp 1
 keeps experts whole, so that --tp 2 --ep 2 --etp 1 runs on 2 processes). With TP > 1 the model
 runs with sequence parallelism, as megacispo trains it: each sequence is padded at its end to a
@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,14 +30,13 @@ from typing import Any
 import torch
 
 from megacispo.data import atomic_write_text
-
-# The converter runs as `python -m CONVERTER_MODULE` (tools/convert_checkpoint.py is its command line).
-CONVERTER_MODULE = "megacispo.convert"
-HF_CONFIG = "config.json"
-# torchrun's variables: the converter subprocess must start a world of its own (with
-# TORCHELASTIC_USE_AGENT_STORE it would wait for torchrun's store).
-DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                   "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from megacispo.hf_checkpoint import (
+    check_hf_checkpoint,
+    hf_model_config,
+    hf_params_dtype_name,
+    is_hf_directory,
+    load_hf_weights,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,11 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--etp", type=int, default=None,
                         help="expert tensor-parallel size (default: --tp; 1 keeps every expert whole)")
     return parser
-
-
-def is_hf_directory(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    return (path / HF_CONFIG).is_file() and not (path / "meta.json").is_file()
 
 
 def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any]]:
@@ -91,14 +82,19 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any
 
 
 def model_config_of(load: str | os.PathLike):
-    """(HybridModelConfig, params dtype name) of --load, read before any process group exists."""
+    """(HybridModelConfig, params dtype name) of --load, read before any process group exists; an HF
+    directory's tensors are checked against its config.json here, before any model is built."""
     from megacispo.checkpoint import CheckpointError, params_dtype_of, read_meta, resolve_checkpoint
-    from megacispo.models import hf_names
     from megacispo.models.config import HybridModelConfig
 
     load = Path(load)
     if is_hf_directory(load):
-        return hf_names.config_from_hf(json.loads((load / HF_CONFIG).read_text())), None
+        try:
+            config = hf_model_config(load)
+            check_hf_checkpoint(load, config)
+            return config, hf_params_dtype_name(load)
+        except ValueError as error:
+            raise ValueError(f"--load: {error}") from None
     try:
         step_dir = resolve_checkpoint(load)
     except CheckpointError as error:
@@ -119,47 +115,6 @@ def parallel_config(args: argparse.Namespace, config, world_size: int):
     )
     validate_layout(parallel, world_size, model_shape(config))
     return parallel
-
-
-def _convert_on_rank_zero(hf_dir: str, out: str) -> Path:
-    """Rank 0 converts the HF directory in a subprocess (a world of its own); every rank gets the
-    checkpoint's path. The caller removes its parent directory."""
-    holder: list[Any] = [None]
-    if torch.distributed.get_rank() == 0:
-        parent = Path(out).resolve().parent
-        scratch = Path(tempfile.mkdtemp(prefix=".tmp_score_", dir=parent))
-        env = {
-            name: value for name, value in os.environ.items()
-            if name not in DISTRIBUTED_ENV and not name.startswith("TORCHELASTIC_")
-        }
-        command = [sys.executable, "-m", CONVERTER_MODULE, "hf-to-megatron", "--hf-dir", hf_dir,
-                   "--out", str(scratch / "checkpoint"), "--no-progress"]
-        finished = subprocess.run(command, env=env, capture_output=True, text=True)
-        if finished.returncode != 0:
-            shutil.rmtree(scratch, ignore_errors=True)
-            holder[0] = RuntimeError(f"converting {hf_dir} failed:\n{finished.stderr[-4000:]}")
-        else:
-            holder[0] = scratch / "checkpoint"
-    torch.distributed.broadcast_object_list(holder, src=0)
-    if isinstance(holder[0], Exception):
-        raise holder[0]
-    return holder[0]
-
-
-def _build_model(config, params_dtype: str, parallel):
-    from megatron.core import parallel_state
-
-    from megacispo.models.config import transformer_config
-    from megacispo.models.model import HybridModel
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[params_dtype]
-    megatron_config = transformer_config(config, parallel, params_dtype=dtype)
-    # Every weight comes from the checkpoint: random initialization would only cost time.
-    megatron_config.perform_initialization = False
-    return HybridModel(
-        config, megatron_config, pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    ).eval()
 
 
 @torch.no_grad()
@@ -192,50 +147,41 @@ def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | Non
     return outputs[0]["logprobs"] if outputs else None
 
 
-def score(load: str, out: str, config, parallel, records: list[dict], params_dtype: str | None) -> None:
+def score(load: str, out: str, config, parallel, records: list[dict], params_dtype: str) -> None:
     """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import load_checkpoint, params_dtype_of, read_meta, resolve_checkpoint
+    from megacispo.checkpoint import load_checkpoint, resolve_checkpoint
+    from megacispo.engine import build_inference_model
 
-    scratch = None
+    model = build_inference_model(config, params_dtype, parallel)
     if is_hf_directory(load):
-        checkpoint_root = _convert_on_rank_zero(load, out)
-        scratch = checkpoint_root.parent
-        load = str(checkpoint_root)
-        params_dtype = None
-    try:
-        step_dir = resolve_checkpoint(load)
-        if params_dtype is None:
-            params_dtype = params_dtype_of(read_meta(step_dir))
-        model = _build_model(config, params_dtype, parallel)
+        load_hf_weights(model, load)
+    else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # RNG states of another layout: not used here
-            load_checkpoint(step_dir, model, load_rng=False)
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp_size = parallel_state.get_data_parallel_world_size()
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        mine = list(range(dp_rank, len(records), dp_size))
-        rounds = -(-len(records) // dp_size)
-        results = {}
-        for position in range(rounds):
-            # Every rank runs the same number of forwards: the MoE's all-to-all spans DP ranks under EP.
-            index = mine[position] if position < len(mine) else None
-            tokens = records[index if index is not None else 0]["tokens"]
-            logprobs = _sequence_logprobs(model, tokens, tp_group)
-            if index is not None and logprobs is not None:
-                results[index] = logprobs.tolist()
-        gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
-        torch.distributed.gather_object(results, gathered, dst=0)
-        if torch.distributed.get_rank() == 0:
-            merged = {index: logprobs for part in gathered for index, logprobs in part.items()}
-            assert len(merged) == len(records), "every record is scored by some rank"
-            scored = ({**record, "logprobs": merged[i]} for i, record in enumerate(records))
-            atomic_write_text(out, "".join(json.dumps(record) + "\n" for record in scored))
-        torch.distributed.barrier()
-    finally:
-        if scratch is not None and torch.distributed.get_rank() == 0:
-            shutil.rmtree(scratch, ignore_errors=True)
+            load_checkpoint(resolve_checkpoint(load), model, load_rng=False)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    mine = list(range(dp_rank, len(records), dp_size))
+    rounds = -(-len(records) // dp_size)
+    results = {}
+    for position in range(rounds):
+        # Every rank runs the same number of forwards: the MoE's all-to-all spans DP ranks under EP.
+        index = mine[position] if position < len(mine) else None
+        tokens = records[index if index is not None else 0]["tokens"]
+        logprobs = _sequence_logprobs(model, tokens, tp_group)
+        if index is not None and logprobs is not None:
+            results[index] = logprobs.tolist()
+    gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(results, gathered, dst=0)
+    if torch.distributed.get_rank() == 0:
+        merged = {index: logprobs for part in gathered for index, logprobs in part.items()}
+        assert len(merged) == len(records), "every record is scored by some rank"
+        scored = ({**record, "logprobs": merged[i]} for i, record in enumerate(records))
+        atomic_write_text(out, "".join(json.dumps(record) + "\n" for record in scored))
+    torch.distributed.barrier()
 
 
 def run(argv: list[str] | None = None) -> None:

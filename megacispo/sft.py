@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from megacispo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_checkpoint
+from megacispo.checkpoint import CheckpointError, save_checkpoint
 from megacispo.cli import bad_input_exits, build_parser, load_sft_data, load_tokenizer, plan, start_up
 from megacispo.config import check_sft_batches
+from megacispo.hf_checkpoint import check_start_weights, load_start_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         tokenizer = load_tokenizer(config)
         pairs = load_sft_data(config, tokenizer)
-        # Checked before anything is built.
-        weights = weights_checkpoint("sft.load", config.sft.load, config.model) if config.sft.load else None
+        if config.sft.load:  # checked before anything is built
+            check_start_weights("sft.load", config.sft.load, config.model)
 
     from megatron.core import parallel_state
 
@@ -41,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     sft = config.sft
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr, decay_steps=sft.decay_steps)
-    if weights is not None:
+    if config.sft.load:
         with bad_input_exits(CheckpointError):  # raised on every rank alike
-            load_checkpoint(weights, engine.module, load_rng=False)
+            load_start_weights("sft.load", config.sft.load, engine)
     out_dir = Path(sft.out or Path(config.train.run_dir) / "sft")
-    logger = MetricsLogger(str(out_dir), enabled=is_logging_rank())
+    logger = MetricsLogger.from_config(config, enabled=is_logging_rank(), run_dir=out_dir)
     sampler = PromptSampler(pairs, seed=config.train.seed)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     per_rank = sft.batch_size // dp_size

@@ -1,6 +1,12 @@
-"""A thin wrapper over sentencepiece: load a trained model, encode, decode, the special ids; train one.
+"""The run's tokenizer: a sentencepiece model (trained here) or a Hugging Face tokenizer directory,
+behind one interface (``Tokenizer``): encode, decode, the special ids, the ids that end a response,
+the chat template, and writing its files next to an exported model.
 
-Training choices (``train_sentencepiece``), made so the small arithmetic task is learnable and text
+``Tokenizer.load(path)`` picks the kind: a directory holding tokenizer.json or tokenizer_config.json
+(or one of those files) is a Hugging Face tokenizer, loaded offline with transformers; any other path
+is a sentencepiece ``.model`` file, or a directory holding ``tokenizer.model``.
+
+Sentencepiece training choices (``train_sentencepiece``), made so the small arithmetic task is learnable and text
 survives a round trip exactly (decode(encode(s)) == s for every string without a literal U+2581,
 the character sentencepiece itself uses for a space):
   - BPE with ``split_digits``: every digit is its own token, so "123" is 1, 2, 3 and carrying is a
@@ -16,17 +22,22 @@ the character sentencepiece itself uses for a space):
 
 from __future__ import annotations
 
+import abc
 import io
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import sentencepiece as spm
 
-from megacispo.data import atomic_write_bytes
+from megacispo.data import atomic_save_pretrained, atomic_write_bytes
 
 MODEL_FILENAME = "tokenizer.model"
+# Either file marks a directory as a Hugging Face tokenizer.
+HF_FILENAMES = ("tokenizer.json", "tokenizer_config.json")
+# What an id outside the vocabulary decodes to, for both kinds: sentencepiece's <unk> surface.
+UNKNOWN_TEXT = " \u2047 "
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 # The whitespace marker sentencepiece writes in place of " " inside pieces.
@@ -34,24 +45,91 @@ WHITESPACE_MARKER = "\u2581"
 REQUIRED_CHARS = WHITESPACE_MARKER + "0123456789"
 
 
-class Tokenizer:
-    """A loaded sentencepiece model. Never adds BOS/EOS unless asked to."""
+class Tokenizer(abc.ABC):
+    """What SFT, rollout and export need of a tokenizer. ``encode`` never adds special tokens."""
+
+    path: Path
+    """The file or directory it was loaded from."""
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "Tokenizer":
+        """Load ``path``: a Hugging Face tokenizer directory (tokenizer.json / tokenizer_config.json),
+        a sentencepiece .model file, or a directory holding ``tokenizer.model``."""
+        path = Path(path)
+        if path.is_file() and path.name in HF_FILENAMES:
+            path = path.parent
+        if path.is_dir() and any((path / name).is_file() for name in HF_FILENAMES):
+            return HFTokenizer.from_directory(path)
+        return SentencePieceTokenizer.from_model_file(path)
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Every id the tokenizer makes is in [0, vocab_size); the model's vocabulary may be larger."""
+
+    @property
+    @abc.abstractmethod
+    def pad_id(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def bos_id(self) -> int | None:
+        """None for a tokenizer without BOS: its prompts start with their own first token."""
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a response; the first is EOS."""
+
+    @property
+    @abc.abstractmethod
+    def has_chat_template(self) -> bool: ...
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` without special tokens; an id outside [0, vocab_size) decodes to UNKNOWN_TEXT.
+
+        A model whose embedding is padded past the tokenizer can sample such an id, and the text must
+        show it rather than drop it (dropping "1<junk>9" to "19" would hand out reward for a
+        malformed response).
+        """
+
+    @abc.abstractmethod
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]:
+        """The ids of ``messages`` ({"role", "content"} dicts) rendered by the chat template."""
+
+    @abc.abstractmethod
+    def save_files(self, directory: str | os.PathLike) -> list[Path]:
+        """Write the files that load this tokenizer again into ``directory`` (each atomically); return them."""
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A loaded sentencepiece model. Never adds BOS/EOS unless asked to; has no chat template."""
 
     def __init__(self, processor: spm.SentencePieceProcessor, path: Path):
         self._processor = processor
         self.path = path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_model_file(cls, path: str | os.PathLike) -> "SentencePieceTokenizer":
         """Load ``path``: a .model file, or a directory holding ``tokenizer.model``."""
         model_path = Path(path)
         if model_path.is_dir():
             model_path = model_path / MODEL_FILENAME
         if not model_path.is_file():
+            hf_hint = f" (nor is {str(path)!r} a Hugging Face tokenizer directory with tokenizer.json)" \
+                if Path(path).is_dir() else ""
             raise FileNotFoundError(
-                f"tokenizer model {str(model_path)!r} does not exist; train one with "
+                f"tokenizer model {str(model_path)!r} does not exist{hf_hint}; train one with "
                 "`python tools/train_tokenizer.py --input corpus.txt --vocab-size 512 --out DIR` "
-                f"and pass DIR/{MODEL_FILENAME}"
+                f"and pass DIR/{MODEL_FILENAME}, or pass a Hugging Face tokenizer directory"
             )
         processor = spm.SentencePieceProcessor()
         try:
@@ -95,24 +173,161 @@ class Tokenizer:
         """The ids that end a response: EOS."""
         return (self.eos_id,)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"encode takes a str, got {type(text).__name__}; decode ids with decode()")
         return self._processor.EncodeAsIds(text, add_bos=add_bos, add_eos=add_eos)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``. pad, bos and eos decode to nothing.
-
-        An id outside [0, vocab_size) decodes as <unk> (" \u2047 "): a model whose embedding is
-        padded past the tokenizer can sample one, and the text must show it rather than drop it
-        (dropping "1<junk>9" to "19" would hand out reward for a malformed response).
-        """
+        """Text of ``ids``. pad, bos and eos decode to nothing; an id outside [0, vocab_size) decodes
+        as <unk> (" \u2047 ", UNKNOWN_TEXT)."""
         vocab_size = self.vocab_size
         ids = [token_id if 0 <= token_id < vocab_size else self.unk_id for token_id in map(int, ids)]
         return self._processor.DecodeIds(ids)
 
     def id_to_piece(self, token_id: int) -> str:
         return self._processor.IdToPiece(token_id)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]:
+        raise ValueError(
+            f"the sentencepiece tokenizer {str(self.path)!r} has no chat template; set data.chat_template: false, "
+            "or set data.tokenizer to a Hugging Face tokenizer directory whose tokenizer_config.json defines one"
+        )
+
+    def save_files(self, directory: str | os.PathLike) -> list[Path]:
+        """Copy the model to ``directory/tokenizer.model``."""
+        out_path = Path(directory) / MODEL_FILENAME
+        atomic_write_bytes(out_path, self.path.read_bytes())
+        return [out_path]
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer directory, loaded offline with ``transformers.AutoTokenizer``.
+
+    - ``vocab_size`` is ``len(tokenizer)``: the base vocabulary and the added tokens.
+    - ``pad_id`` is EOS when the tokenizer defines no pad token (see ``pad_id``).
+    - ``stop_ids`` are EOS and, with a chat template, the template's end-of-turn token (see
+      ``end_of_turn_id``).
+    """
+
+    def __init__(self, hf_tokenizer: Any, path: Path):
+        self._hf = hf_tokenizer
+        self.path = path
+        # Fixed at load: len() of a transformers tokenizer counts the added tokens again on each call.
+        self._vocab_size = len(hf_tokenizer)
+        self._special_ids = frozenset(hf_tokenizer.all_special_ids) | {
+            token_id for token_id, token in hf_tokenizer.added_tokens_decoder.items() if token.special
+        }
+        end_of_turn = self.end_of_turn_id()
+        self._stop_ids = (self.eos_id,) + ((end_of_turn,) if end_of_turn not in (None, self.eos_id) else ())
+
+    @classmethod
+    def from_directory(cls, directory: Path) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        # transformers and tokenizers raise JSON, key, value and OS errors (and more) for a damaged
+        # directory; each means the same to the user: these files do not make a tokenizer.
+        except Exception as error:
+            raise ValueError(
+                f"Hugging Face tokenizer directory {str(directory)!r} does not load "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); save it again with "
+                "tokenizer.save_pretrained(DIR), or pass a sentencepiece tokenizer.model"
+            ) from error
+        if hf_tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"Hugging Face tokenizer {str(directory)!r} defines no eos_token; set \"eos_token\" in its "
+                "tokenizer_config.json to the token that ends a response"
+            )
+        return cls(hf_tokenizer, directory)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        # Many chat tokenizers define no pad token. Padding is masked out of attention and loss, so
+        # any id in the vocabulary serves; EOS always is one, and adding a token would grow the
+        # vocabulary past the model's embedding.
+        pad = self._hf.pad_token_id
+        return self.eos_id if pad is None else pad
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._hf.bos_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._hf.eos_token_id
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._hf.chat_template)
+
+    def end_of_turn_id(self) -> int | None:
+        """The special token that closes an assistant turn in the chat template, None without a template.
+
+        Rule: render a probe conversation (a user message, then an assistant message "1") with and
+        without the generation prompt; the end of turn is the first special token after the prompt's
+        ids (after the assistant's text), e.g. <|im_end|> for ChatML, <|eot_id|> for Llama 3, or EOS
+        for templates that end a turn with it. A template that closes turns with plain text, or whose
+        full conversation does not start with the rendered prompt, has none: EOS alone stops.
+        """
+        if not self.has_chat_template:
+            return None
+        probe = [{"role": "user", "content": "1"}]
+        prompt_ids = self.apply_chat_template(probe, add_generation_prompt=True)
+        answered = probe + [{"role": "assistant", "content": "1"}]
+        full_ids = self.apply_chat_template(answered, add_generation_prompt=False)
+        if full_ids[: len(prompt_ids)] != prompt_ids:
+            return None
+        return next((token_id for token_id in full_ids[len(prompt_ids):] if token_id in self._special_ids), None)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"encode takes a str, got {type(text).__name__}; decode ids with decode()")
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` without special tokens; each id outside [0, vocab_size) shows as UNKNOWN_TEXT."""
+        pieces, run = [], []
+        for token_id in map(int, ids):
+            if 0 <= token_id < self._vocab_size:
+                run.append(token_id)
+            else:
+                pieces += [self._hf.decode(run, skip_special_tokens=True), UNKNOWN_TEXT]
+                run = []
+        pieces.append(self._hf.decode(run, skip_special_tokens=True))
+        return "".join(pieces)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]:
+        from jinja2 import TemplateError
+
+        if not self.has_chat_template:
+            raise ValueError(
+                f"Hugging Face tokenizer {str(self.path)!r} has no chat template; set data.chat_template: false, "
+                "or add a \"chat_template\" to its tokenizer_config.json"
+            )
+        try:
+            ids = self._hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                               tokenize=True, return_dict=False)
+        except TemplateError as error:
+            raise ValueError(f"the chat template of {str(self.path)!r} fails on these messages: {error}") from error
+        return [int(token_id) for token_id in ids]
+
+    def save_files(self, directory: str | os.PathLike) -> list[Path]:
+        """``save_pretrained`` into ``directory``: tokenizer.json, tokenizer_config.json and the chat template."""
+        return atomic_save_pretrained(self._hf, directory)
 
 
 def _corpus_lines(input_paths: Sequence[Path]) -> Iterator[str]:

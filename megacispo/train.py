@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 from megacispo.checkpoint import CheckpointError
-from megacispo.cli import bad_input_exits, build_parser, load_rl_prompts, load_tokenizer, plan, start_up
+from megacispo.cli import bad_input_exits, build_parser, is_rank_zero, load_rl_prompts, load_tokenizer, plan, start_up
 from megacispo.config import check_rl_batches
+from megacispo.hf_checkpoint import check_export_target, export_hf
 from megacispo.rewards import RewardFailureError
 
 
@@ -16,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with bad_input_exits():
         config, world_size = start_up(args, check_rl_batches)
+        if config.train.export_hf:
+            check_export_target("train.export_hf", config.train.export_hf)
         if args.dry_run:
             print(plan(config, world_size))
             return 0
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=config.train.steps * config.rl.updates_per_rollout, peak_lr=config.optimizer.lr,
                     decay_steps=config.optimizer.decay_steps)
-    logger = MetricsLogger(config.train.run_dir, enabled=is_logging_rank())
+    logger = MetricsLogger.from_config(config, enabled=is_logging_rank())
     trainer = Trainer(config, engine, tokenizer, train_records, test_records, logger, prompt_metrics)
     with bad_input_exits(CheckpointError):  # raised on every rank alike
         trainer.start(start)
@@ -44,7 +47,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out accuracy: {accuracy['before']:.3f} before RL, {accuracy['after']:.3f} after")
     logger.close()
     destroy_distributed()
+    if config.train.export_hf:
+        _export(config, trainer)
     return 0
+
+
+def _export(config, trainer) -> None:
+    """train.export_hf from the run's final checkpoint, in one process (rank 0) once the others are
+    done: the export reads the checkpoint without a process group, so no collective can time out
+    however long it takes."""
+    from megacispo.checkpoint import checkpoint_dir
+    from megacispo.trainer import checkpoint_root
+
+    if not is_rank_zero():
+        return
+    if trainer.stopped_by_signal:
+        print(f"train.export_hf: not written (stopped by SIGTERM); --resume writes {config.train.export_hf} when the "
+              f"run finishes")
+        return
+    with bad_input_exits():
+        path = export_hf(checkpoint_dir(checkpoint_root(config), trainer.step), config.train.export_hf,
+                         trainer.tokenizer)
+    print(f"Hugging Face export: {path}")
 
 
 if __name__ == "__main__":

@@ -32,16 +32,18 @@ from megacispo.checkpoint import (
     load_checkpoint,
     restore_rng,
     save_checkpoint,
-    weights_checkpoint,
 )
 from megacispo.config import Config, to_dict
 from megacispo.data import PromptRecord, PromptSampler, prompt_token_ids
 from megacispo.engine import Engine
+from megacispo.evaluation import Evaluator, response_text
+from megacispo.hf_checkpoint import check_start_weights, load_start_weights
 from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
 from megacispo.metrics import MetricsLogger, Timer, moe_load_balance, pearson_correlation
 from megacispo.parallel.layout import broadcast_from_last_stage
 from megacispo.rewards import RewardFailureError, get_reward_fn, score_responses
-from megacispo.rollout import Samples, generate, response_token_ids
+from megacispo.rollout import Samples, generate, sample_keys
+from megacispo.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
 from megacispo.tokenizer import Tokenizer
 
 
@@ -61,6 +63,8 @@ class TrainBatch:
     """[n, S - 1] log-probs of pi_old as the training engine computes them."""
     padding_mask: torch.Tensor | None = None
     """[n, S] bool, True after each sequence's end; None: no padding."""
+    token_weights: torch.Tensor | None = None
+    """[n, S - 1] detached factors of each token's loss (rl.rollout_correction.mode = tis); None: 1."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -101,7 +105,7 @@ def plan_start(config: Config, resume: bool) -> StartPlan:
     except CheckpointError as error:
         raise CheckpointError(f"--resume: {error}") from None
     if not verified and config.train.load:
-        weights_checkpoint("train.load", config.train.load, config.model)
+        check_start_weights("train.load", config.train.load, config.model)
     return StartPlan(resume, checkpoints)
 
 
@@ -171,10 +175,10 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
-        """Train to config.train.steps; returns the held-out accuracy before and after."""
+        """Train to config.train.steps; returns the greedy held-out accuracy before and after (NaN without
+        one). Every evaluation logs all the eval section's metrics, the first with the prompt counts."""
         signal.signal(signal.SIGTERM, self._request_stop)
-        accuracy = {"before": self.evaluate()}
-        self.logger.log(self.step, {"eval/accuracy": accuracy["before"], **self.prompt_metrics})
+        accuracy = {"before": self._log_evaluation(self.prompt_metrics)}
         while self.step < self.config.train.steps and not self._stop_agreed():
             try:
                 metrics = self.rl_step()
@@ -184,14 +188,13 @@ class Trainer:
             self.logger.log(self.step, metrics, consumed_samples=self.consumed_samples)
             every = self.config.train.eval_every
             if every and self.step % every == 0 and self.step < self.config.train.steps:
-                self.logger.log(self.step, {"eval/accuracy": self.evaluate()})
+                self._log_evaluation()
             if self.config.train.checkpoint_every and self.step % self.config.train.checkpoint_every == 0:
                 self.save()
         self.save()
         if self.stopped_by_signal:
             return {**accuracy, "after": float("nan")}
-        accuracy["after"] = self.evaluate()
-        self.logger.log(self.step, {"eval/accuracy": accuracy["after"]})
+        accuracy["after"] = self._log_evaluation()
         return accuracy
 
     def rl_step(self) -> dict[str, float]:
@@ -203,9 +206,7 @@ class Trainer:
             with timer("old_logprobs"):
                 batch.old_logprobs = self.compute_old_logprobs(batch)
             self._abandon_if_stopped()
-        mask = batch.loss_mask.bool()
-        rollout_probs, train_probs = self._gather_over_dp(batch.rollout_logprobs[mask].exp(), batch.old_logprobs[mask].exp())
-        rollout_metrics["rollout/train_rollout_prob_corr"] = pearson_correlation(rollout_probs, train_probs)
+        rollout_metrics.update(self.correct_rollout_gap(batch))
         with timer("update"):
             update_metrics = self.update(batch)
         update_metrics.update(self.expert_load.collect())
@@ -256,10 +257,10 @@ class Trainer:
         prompts = [prompt_token_ids(self.tokenizer, r) for r in records for _ in range(rollout.group_size)]
         samples = generate(
             self.engine.module, prompts, rollout, stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
-            generator=self._generator(), lockstep_group=self.engine.dp_group, show_progress=self.logger.enabled,
-            interrupt=self._abandon_if_stopped,
+            keys=self._sample_keys(len(records)), lockstep_group=self.engine.dp_group,
+            show_progress=self.logger.enabled, interrupt=self._abandon_if_stopped,
         )
-        texts = [self._response_text(samples, row) for row in range(len(prompts))]
+        texts = [response_text(self.tokenizer, samples, row) for row in range(len(prompts))]
         repeated = [r for r in records for _ in range(rollout.group_size)]
         scores = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
         rewards = torch.tensor(scores.rewards, dtype=torch.float32, device=self.engine.device)
@@ -273,17 +274,15 @@ class Trainer:
         stats["first_failure"] = stats["first_failure"] or scores.first_failure
         return samples, rewards
 
-    def _response_text(self, samples: Samples, row: int) -> str:
-        ids = response_token_ids(samples, row)
-        if ids and ids[-1] in self.tokenizer.stop_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids)
-
-    def _generator(self) -> torch.Generator:
-        # Same on the ranks of a TP group (they must draw the same tokens), different across DP ranks
-        # and steps; a resumed run draws what the uninterrupted run would have.
-        seed = self.config.train.seed * 1_000_003 + self.step * 1009 + self.dp_rank
-        return torch.Generator(device=self.engine.device).manual_seed(seed)
+    def _sample_keys(self, num_prompts: int) -> torch.Tensor:
+        """The random streams of this rank's samples of the prompts just drawn: from the seed, the step,
+        the sampler's position (a new one for each sampling round) and each sample's place in the
+        global batch. The same on the ranks of a TP group (they must draw the same tokens), the same
+        samples at any data-parallel size, and a resumed run draws what the uninterrupted run would have."""
+        stream = (self.config.train.seed, self.step, self.sampler.epoch, self.sampler.position)
+        first = self.dp_rank * num_prompts
+        return sample_keys(stream, range(first, first + num_prompts), self.config.rollout.group_size,
+                           device=self.engine.device)
 
     def _to_train_batch(self, chosen) -> TrainBatch:
         width = self.engine.padded_length(max(s.tokens.shape[1] for s, _, _ in chosen))
@@ -338,6 +337,24 @@ class Trainer:
         raise RewardFailureError(self.config.rl.reward, failure_frac, self.config.rl.max_reward_failure_frac,
                                  next(text for text in first_failures if text))
 
+    def correct_rollout_gap(self, batch: TrainBatch) -> dict[str, float]:
+        """The gap between the rollout's log-probs and the training engine's old log-probs, measured
+        (mismatch/*, over every data-parallel rank) and corrected as rl.rollout_correction says: the
+        batch's loss mask loses the tokens MIS drops, its token weights become TIS's."""
+        old, rollout, mask = batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask
+        settings = self.config.rl.rollout_correction
+        correction = correct_rollout(old, rollout, mask, settings.mode, settings.threshold_low,
+                                     settings.threshold_high)
+        sums = torch.cat([mismatch_sums(old, rollout, mask), correction.num_dropped.double()[None]])
+        dist.all_reduce(sums, group=self.engine.dp_group)
+        metrics = mismatch_metrics(sums[:-1], self._all_reduce_max(float(max_abs_logprob_diff(old, rollout, mask))))
+        metrics["mismatch/correction_masked_frac"] = float(sums[-1]) / max(float(sums[-2]), 1.0)
+        response = mask.bool()
+        rollout_probs, train_probs = self._gather_over_dp(rollout[response].exp(), old[response].exp())
+        metrics["mismatch/train_rollout_prob_corr"] = pearson_correlation(rollout_probs, train_probs)
+        batch.loss_mask, batch.token_weights = correction.loss_mask, correction.token_weights
+        return metrics
+
     # -- training-engine passes ---------------------------------------------------------------------
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
@@ -389,7 +406,8 @@ class Trainer:
                 logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,
                                                                 temperature, compute_entropy=True)
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
-                                                    micro.loss_mask, counts, **loss_config.params)
+                                                    micro.loss_mask, counts, micro.token_weights,
+                                                    **loss_config.params)
                 metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
                 return loss * scale, metrics
 
@@ -412,20 +430,18 @@ class Trainer:
 
     # -- evaluation -----------------------------------------------------------------------------
 
-    def evaluate(self) -> float:
-        """Greedy held-out accuracy (reward >= 1), split over data-parallel ranks."""
-        if not self.test_records:
-            return float("nan")
-        records = self.test_records[self.dp_rank::self.dp_size]
-        greedy = type(self.config.rollout)(**{**vars(self.config.rollout), "temperature": 0.0})
-        prompts = [prompt_token_ids(self.tokenizer, r) for r in records]
-        samples = generate(self.engine.module, prompts, greedy, stop_ids=self.tokenizer.stop_ids,
-                           pad_id=self.tokenizer.pad_id, generator=torch.Generator(device=self.engine.device),
-                           lockstep_group=self.engine.dp_group)
-        texts = [self._response_text(samples, row) for row in range(len(records))]
-        rewards = score_responses(self.reward_fn, texts, records, self.config.rl.failure_reward).rewards
-        correct = self._all_reduce_sum(float(sum(r >= 1.0 for r in rewards)))
-        return correct / len(self.test_records)
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics of the eval section (megacispo.evaluation): greedy accuracy, pass@k and
+        mean@k; empty without data.test_prompts."""
+        return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.reward_fn, self.config,
+                         self.engine.dp_group).run()
+
+    def _log_evaluation(self, extra: dict[str, float] | None = None) -> float:
+        """Evaluate and log the metrics, with ``extra``, at this step; the greedy accuracy (NaN without it)."""
+        metrics = {**self.evaluate(), **(extra or {})}
+        if metrics:
+            self.logger.log(self.step, metrics)
+        return metrics.get("eval/accuracy", float("nan"))
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -462,10 +478,10 @@ class Trainer:
         self.load_initial_weights()
 
     def load_initial_weights(self) -> None:
-        """The weights a fresh run starts from: train.load (e.g. the SFT checkpoint), if set."""
+        """The weights a fresh run starts from: train.load (e.g. the SFT checkpoint, or a Hugging Face
+        directory), if set."""
         if self.config.train.load:
-            path = weights_checkpoint("train.load", self.config.train.load, self.config.model)
-            load_checkpoint(path, self.engine.module, load_rng=False)
+            load_start_weights("train.load", self.config.train.load, self.engine)
 
     def _resume_from(self, path: Path) -> None:
         meta = load_checkpoint(path, self.engine.module, self.engine.optimizer, self.engine.scheduler)

@@ -336,6 +336,39 @@ class InferenceCache:
             store[layer_idx][:, :, start:total] = new
         return self.keys[layer_idx][:, :, :total], self.values[layer_idx][:, :, :total]
 
+    def write_rows(self, rows: torch.Tensor, other: InferenceCache) -> None:
+        """Replace the sequences of ``rows`` [k] with the k sequences of ``other`` (a prefill of new
+        prompts, no longer than this cache): each ends at the newest position, like a left-padded
+        prompt, and the older positions of those rows are masked. The other rows keep their state:
+        continuous batching refills a finished sequence's slot without recomputing the running ones."""
+        total, width = self._length, other.length
+        if width > total:
+            raise ValueError(f"write_rows: the new sequences span {width} positions, more than this cache's {total}")
+        start = total - width
+        self._valid_buffer[rows, :start] = False
+        self._valid_buffer[rows, start:total] = other.valid_mask
+        self.has_padding = True
+        self.next_positions[rows] = other.next_positions
+        for layer_idx, state in other.lightning_states.items():
+            self.lightning_states[layer_idx][rows] = state
+        for store, new_store in ((self.keys, other.keys), (self.values, other.values)):
+            for layer_idx, new in new_store.items():
+                store[layer_idx][rows, :, start:total] = new[:, :, :width]
+
+    def drop_oldest(self, positions: int) -> None:
+        """Forget the ``positions`` oldest positions of every row, in place (the newer ones move to the
+        front of the same buffers): a slot rollout keeps its buffers' capacity bounded by dropping
+        positions no running sequence uses (its caller checks that they are masked)."""
+        if positions <= 0:
+            return
+        kept = self._length - positions
+        for buffer, dim in [(self._valid_buffer, 1), *((kv, 2) for kv in (*self.keys.values(), *self.values.values()))]:
+            # Chunks of ``positions`` never overlap their source: an in-place move without a copy of the buffer.
+            for begin in range(0, kept, positions):
+                size = min(positions, kept - begin)
+                buffer.narrow(dim, begin, size).copy_(buffer.narrow(dim, begin + positions, size))
+        self._length = kept
+
     def select(self, indices: torch.Tensor) -> InferenceCache:
         """The cache of a subset (or a reordering) of the sequences, e.g. to drop finished ones."""
         selected = InferenceCache(valid_mask=self.valid_mask[indices], next_positions=self.next_positions[indices])

@@ -12,7 +12,9 @@ pipeline stage without the head it returns the hidden states for the next stage.
 
 Decoding (``prefill`` / ``decode_step``) batches left-padded prompts: pad tokens are masked as
 keys in softmax layers and get zero keys and values in lightning layers, whose state therefore
-stays exactly zero until a sequence's first real token. RoPE positions count real tokens only.
+stays exactly zero until a sequence's first real token. RoPE positions count real tokens only, per
+row: the rollout's slot engine refills a finished row with a new prompt's prefill
+(``InferenceCache.write_rows``), so the rows' positions and valid lengths differ.
 It runs on the training model itself (a model built with sequence parallelism decodes as a plain
 TP model); under pipeline parallelism the stages decode one after the other.
 
@@ -251,12 +253,15 @@ class HybridModel(LanguageModule):
             cache.reserve(2)  # this token and one more (InferenceCache.reserve): append_token keeps the buffers
             cache.mark_dynamic_shapes(token_ids, position_ids)
         cache.append_token()
-        logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True, compiled=compiled)
+        logits = self._decode_forward(
+            token_ids, position_ids, None, cache, last_only=True, one_step=True, compiled=compiled
+        )
         cache.next_positions = cache.next_positions + 1
         return logits[:, -1], cache
 
     def _decode_forward(
-        self, input_ids, position_ids, attention_mask, cache: InferenceCache, *, last_only: bool, compiled: bool = False
+        self, input_ids, position_ids, attention_mask, cache: InferenceCache, *, last_only: bool,
+        one_step: bool = False, compiled: bool = False,
     ) -> torch.Tensor:
         """Full-vocabulary fp32 logits [b, s, V], or [b, 1, V] of the last position with last_only,
         on every rank (every pipeline stage too: each draws the same next token).
@@ -269,9 +274,10 @@ class HybridModel(LanguageModule):
         stage's hidden states [s, b, H], runs its layers against its part of the cache and sends
         its output on; the last stage's logits are then broadcast to all stages.
 
-        A one-token step takes the lean path where it applies (``_lean_step_applies``): the same
-        modules and weights, called through their ``step`` methods; with ``compiled``, through
-        torch.compile of that path.
+        A decode step (``one_step``: one token appended to a filled cache; a one-token prompt is a
+        prefill) takes the lean path where it applies (``_lean_step_applies``): the same modules and
+        weights, called through their ``step`` methods; with ``compiled``, through torch.compile of
+        that path.
         """
         pp_group = self.pg_collection.pp
         pp_rank = torch.distributed.get_rank(pp_group)
@@ -281,7 +287,7 @@ class HybridModel(LanguageModule):
             like = next(self.decoder.parameters())
             received = torch.empty(length, batch, self.config.hidden_size, dtype=like.dtype, device=like.device)
             torch.distributed.recv(received, src=torch.distributed.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
-        if length == 1 and self._lean_step_applies():
+        if one_step and self._lean_step_applies():
             lean_stage = self._compiled_lean_stage() if compiled else self._lean_stage
             hidden, logits = lean_stage(input_ids[:, 0], position_ids, cache, received)
         else:

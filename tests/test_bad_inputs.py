@@ -23,6 +23,8 @@ import pytest
 from megacispo import sft, train
 from megacispo.parallel import layout
 
+from tool_modules import load_tool
+
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "examples" / "configs" / "quickstart_cpu.yaml"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -65,6 +67,10 @@ def workspace(tmp_path_factory) -> Path:
     for name, text in files.items():
         (root / name).write_text(text)
     (root / "latin1.yaml").write_bytes(b"train:\n  run_dir: caf\xe9\n")
+    (root / "garbage.parquet").write_bytes(b"PAR1 not a parquet file")
+    (root / "prompts.csv").write_text("prompt,answer\n1+1=,2\n")
+    (root / "messages.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}))
+    load_tool("make_tiny_hf").build_tokenizer(root / "hf_tokenizer", vocab_size=400)
     return root
 
 
@@ -154,7 +160,7 @@ CATALOG = [
                "'one_argument' cannot be called as fn(response, record)", id="reward-wrong-signature"),
     config_row("train", quick("rl.reward=catalog_broken_rewards:score"),
                "importing module 'catalog_broken_rewards' failed", id="reward-module-broken"),
-    config_row("train", quick("rl.loss.name=ppo"), "rl.loss.name = 'ppo': use one of cispo, dapo, grpo, reinforce",
+    config_row("train", quick("rl.loss.name=ppo"), "rl.loss.name = 'ppo': use one of cispo, dapo, grpo, gspo, reinforce",
                id="loss-unknown"),
     config_row("train", quick("rl.loss.params.eps_hgh=4"), "rl.loss: unknown parameter(s) eps_hgh",
                id="loss-param-typo"),
@@ -197,6 +203,20 @@ CATALOG = [
              "set data.overlong_prompts to truncate_left", id="prompts-all-skipped"),
     data_row("train", quick("data.test_prompts={ws}/long.jsonl"), "data.test_prompts: ", "long.jsonl:1: the prompt",
              id="test-prompt-long"),
+    data_row("train", quick("data.train_prompts={ws}/garbage.parquet"), "data.train_prompts: ",
+             "garbage.parquet: not a readable Parquet file", "or convert it to .jsonl", id="prompts-parquet-garbage"),
+    data_row("train", quick("data.train_prompts={ws}/prompts.csv"), "data.train_prompts: ",
+             "prompts.csv' has the suffix '.csv'; use .jsonl", "or .parquet", id="prompts-suffix-csv"),
+    data_row("train", quick("data.answer_key=reward_model.ground_truth"), "data.train_prompts: ",
+             "train.jsonl:1: missing field 'reward_model.ground_truth'",
+             "an answer at data.answer_key = 'reward_model.ground_truth'", id="answer-key-nested-missing"),
+    data_row("train", quick("data.train_prompts={ws}/messages.jsonl"),
+             "messages.jsonl:1: field 'prompt' is a list of chat messages, which only data.chat_template: true renders",
+             id="messages-without-chat-template"),
+    data_row("train", quick("data.chat_template=true"), "data.chat_template = true but data.tokenizer",
+             "has no chat template", "or set data.chat_template: false", id="chat-template-missing"),
+    data_row("train", quick("data.tokenizer={ws}/hf_tokenizer", "model.vocab_size=256"),
+             "hf_tokenizer has 400 pieces but model.vocab_size = 256", id="vocab-below-hf-tokenizer"),
     data_row("train", quick("data.tokenizer={ws}/nope.model"), "data.tokenizer: tokenizer model",
              "nope.model' does not exist", id="tokenizer-missing"),
     data_row("train", quick("data.tokenizer={ws}/garbage.model"), "data.tokenizer: tokenizer model",

@@ -69,7 +69,10 @@ def test_format_jsonl_round_trips(tmp_path):
         ('"just a string"', "expected a JSON object, got str"),
         ('{"answer": "2"}', "missing field 'prompt'"),
         ('{"prompt": "1+1="}', "missing field 'answer'"),
-        ('{"prompt": "1+1=", "answer": 2}', "field 'answer' must be a string, got int 2"),
+        ('{"prompt": "1+1=", "answer": true}', "field 'answer' must be a string (or a number), got bool True"),
+        ('{"prompt": "1+1=", "answer": [2]}', "field 'answer' must be a string (or a number), got list [2]"),
+        ('{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}',
+         "field 'prompt' is a list of chat messages, which only data.chat_template: true renders"),
         ('{"prompt": null, "answer": "2"}', "field 'prompt' must be a string, got NoneType"),
     ],
 )

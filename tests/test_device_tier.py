@@ -11,11 +11,11 @@ Two checks, because here the CPU is both the run's device and host memory:
   trainer; an RL step (rollouts through ``generate``: prefill, lean decode steps, sampling with
   top-k / top-p, early truncation, rewards, overlong shaping, advantages; the old-log-prob pass; the
   update with ``Engine.token_logprobs``, ``compute_policy_loss``, Megatron's forward and backward
-  and the distributed optimizer's step; the metrics' collectives), greedy evaluation, decode steps
-  through Megatron's modules (``lean_decode = False``), score's forward, and one SFT step
+  and the distributed optimizer's step; the metrics' collectives), evaluation (greedy and sampled),
+  decode steps through Megatron's modules (``lean_decode = False``), score's forward, and one SFT step
   (``megacispo.sft.main`` with bf16 weights, its checkpoint save included). A host tensor planted
   in each path (a wrapper that adds a host zero to one function's output, or moves it with
-  ``.cpu()``, or a generator or a collective's flag made without a device) is caught.
+  ``.cpu()``, or the sampler's keys or a collective's flag made without a device) is caught.
 - Pure tensor math on the ``meta`` device, where a CPU tensor fails on contact whatever made it,
   ``torch.device("cpu")`` objects included, which the guard cannot tell from the run's device: the
   policy loss, the vocab-parallel log-probs and the fused LM head (forward and backward), RMSNorm,
@@ -144,6 +144,7 @@ class _CharTokenizer:
     """Enough of megacispo.tokenizer.Tokenizer for the Trainer, without training a sentencepiece model."""
 
     pad_id, bos_id, eos_id = 0, 1, 2
+    stop_ids = (2,)
 
     def encode(self, text: str) -> list[int]:
         return [3 + ord(character) % 500 for character in text]
@@ -153,14 +154,16 @@ class _CharTokenizer:
 
 
 def _rl_config(run_dir: str):
-    from megacispo.config import Config, RLConfig, RolloutConfig, TrainConfig
+    from megacispo.config import Config, EvalConfig, RLConfig, RolloutConfig, TrainConfig
 
     # Every sampling branch (top-k, top-p, early truncation after 3 tokens of any probability) and
-    # overlong shaping; one round of 2 prompts x 2 samples, updated in 2 micro-batches.
+    # overlong shaping; one round of 2 prompts x 2 samples, updated in 2 micro-batches; evaluation
+    # greedy and with 2 samples per prompt.
     rollout = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=4, top_k=50, top_p=0.9,
                             early_truncation_tokens=3, early_truncation_prob=0.0, dynamic_sampling=False)
     rl = RLConfig(updates_per_rollout=1, overlong_max_length=3, overlong_cache_length=1)
-    return Config(rollout=rollout, rl=rl, train=TrainConfig(micro_batch_size=2, run_dir=run_dir))
+    return Config(rollout=rollout, rl=rl, train=TrainConfig(micro_batch_size=2, run_dir=run_dir),
+                  eval=EvalConfig(num_samples=2))
 
 
 def _build_trainer(run_dir: str):
@@ -178,13 +181,14 @@ def _build_trainer(run_dir: str):
 
 
 def _megatron_decode(trainer) -> None:
-    from megacispo.rollout import generate
+    from megacispo.rollout import generate, sample_keys
 
     model = trainer.engine.module
     model.lean_decode = False
     try:
         generate(model, [[1, 5, 6, 7], [1, 8]], trainer.config.rollout, stop_ids=[2], pad_id=0,
-                 generator=torch.Generator(device=trainer.engine.device), lockstep_group=trainer.engine.dp_group)
+                 keys=sample_keys((0,), range(2), 1, device=trainer.engine.device),
+                 lockstep_group=trainer.engine.dp_group)
     finally:
         model.lean_decode = True
 
@@ -251,10 +255,10 @@ def _planted(owner, name: str, mistake=_host_zero_added):
     return _replaced(owner, name, planted)
 
 
-def _all_finished_with_host_flag(finished, group) -> bool:
-    flag = torch.tensor(int(finished.all()))  # the mistake: no device=, then a collective
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(flag)
+def _agree_with_host_flags(engine, refill: bool, running: bool) -> tuple[bool, bool]:
+    flags = torch.tensor([int(refill), int(running)])  # the mistake: no device=, then a collective
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=engine.group)
+    return bool(flags[0]), bool(flags[1])
 
 
 def _all_reduce_sum_on_host(trainer, value: float) -> float:
@@ -263,13 +267,23 @@ def _all_reduce_sum_on_host(trainer, value: float) -> float:
     return float(total)
 
 
-def _generator_on_host(trainer) -> torch.Generator:
-    return torch.Generator().manual_seed(0)  # the mistake: no device=
+def _all_reduce_rows_on_host(rows, group, device):
+    total = torch.tensor(rows, dtype=torch.float64)  # the mistake: no device=, then a collective
+    torch.distributed.all_reduce(total, group=group)
+    return total.tolist()
+
+
+def _sample_keys_on_host(trainer, num_prompts: int) -> torch.Tensor:
+    from megacispo.rollout import sample_keys
+
+    group_size = trainer.config.rollout.group_size
+    return sample_keys((0,), range(num_prompts), group_size, device="cpu")  # the mistake: the host
 
 
 def _rl_plants() -> dict:
     """name: (the scenario it runs, the plant). Each plant makes one host tensor in one path."""
     import megacispo.engine
+    import megacispo.evaluation
     import megacispo.models.lightning_mixer
     import megacispo.parallel.vocab_parallel
     import megacispo.rollout
@@ -285,8 +299,8 @@ def _rl_plants() -> dict:
         "prefill": ("rollout", _planted(HybridModel, "_megatron_stage")),
         "lean_decode_step": ("rollout", _planted(HybridModel, "_lean_stage")),
         "megatron_decode_step": ("megatron_decode", _planted(mixer, "lightning_state_step")),
-        "sampling_generator": ("rollout", _replaced(Trainer, "_generator", _generator_on_host)),
-        "rollout_collective": ("rollout", _replaced(megacispo.rollout, "_all_finished", _all_finished_with_host_flag)),
+        "sample_keys": ("rollout", _replaced(Trainer, "_sample_keys", _sample_keys_on_host)),
+        "rollout_collective": ("rollout", _replaced(megacispo.rollout._SlotRollout, "_agree", _agree_with_host_flags)),
         "advantages": ("rollout", _planted(megacispo.trainer, "group_relative_advantages")),
         "old_logprobs_pass": ("old_logprobs", _planted(megacispo.trainer, "broadcast_from_last_stage")),
         "training_forward": ("update", _planted(mixer, "lightning_attention")),
@@ -296,7 +310,7 @@ def _rl_plants() -> dict:
         "token_logprobs_moved_to_host": ("update", _planted(Engine, "token_logprobs", torch.Tensor.cpu)),
         "policy_loss": ("update", _planted(megacispo.trainer, "compute_policy_loss")),
         "step_metrics": ("rl_step", _replaced(Trainer, "_all_reduce_sum", _all_reduce_sum_on_host)),
-        "evaluation": ("evaluate", _replaced(Trainer, "_all_reduce_sum", _all_reduce_sum_on_host)),
+        "evaluation": ("evaluate", _replaced(megacispo.evaluation, "_all_reduce_rows", _all_reduce_rows_on_host)),
         "score_forward": ("score_forward", _planted(megacispo.parallel.vocab_parallel, "vocab_parallel_logprobs")),
     }
 
@@ -337,7 +351,7 @@ def rl_outcomes(tmp_path_factory) -> dict:
 
 RL_SCENARIOS = ["build", "rollout", "old_logprobs", "update", "rl_step", "evaluate", "megatron_decode", "score_forward"]
 RL_PLANTS = [
-    "prefill", "lean_decode_step", "megatron_decode_step", "sampling_generator", "rollout_collective", "advantages",
+    "prefill", "lean_decode_step", "megatron_decode_step", "sample_keys", "rollout_collective", "advantages",
     "old_logprobs_pass", "training_forward", "lightning_backward", "lm_head_backward", "token_logprobs",
     "token_logprobs_moved_to_host", "policy_loss", "step_metrics", "evaluation", "score_forward",
 ]

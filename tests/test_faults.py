@@ -160,7 +160,7 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(damage, trained, tmp_pat
     skipped = [line for line in results[0]["out"].splitlines() if line.startswith("--resume: skipped step_00000002: ")]
     assert len(skipped) == 1 and reason in skipped[0], results[0]["out"]
     assert f"--resume: continuing from {run_dir / 'checkpoints' / 'step_00000001'}\n" in results[0]["out"]
-    assert re.search(r"^step 1 \| eval_acc nan", results[0]["out"], re.MULTILINE), "the run is not at step 1"
+    assert re.search(r"^step 1$", results[0]["out"], re.MULTILINE), "the run is not at step 1"
     assert "--resume" not in results[1]["out"], "rank 1 printed too"
 
 

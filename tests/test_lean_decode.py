@@ -4,7 +4,8 @@ same model: teacher-forced decode steps after a left-padded prefill give the sam
 step (within 3e-5 of the logits' scale in fp32, 1e-12 in fp64: batches of up to 16 rows take their
 matmuls in another summation order: the CPU layer's few-rows kernel), for a padded batch (the MoE's grouped path, masked attention, a
 ``cache.select`` midway) and a single sequence (the one-token MoE path, no mask); greedy rollouts
-through megacispo.rollout.generate give the same tokens and log-probs. The lean path is really
+through megacispo.rollout.generate's slot engine (2 slots, a refill midway) on each path give the
+tokens and log-probs of the Megatron path decoding all prompts at once. The lean path is really
 taken: TransformerBlock.forward is not called during its decode steps. Runs in a gloo world of one;
 tests/test_rollout_layouts.py covers the multi-process layouts (TP with sequence parallelism: the
 Megatron path; EP = 2: the MoE's dispatcher; PP = 2: the lean path stage by stage).
@@ -30,6 +31,7 @@ KEEP_AFTER = 12  # after this many steps the padded batch keeps sequences [2, 0]
 # Relative to the largest logit: fp32 round-off amplified over 8 layers and 20 steps.
 TOLERANCE = {"float32": 3e-5, "float64": 1e-12}
 GREEDY_NEW_TOKENS = 16
+GREEDY_LIMITS = [5, 16, 11]
 EOS, PAD = 2, 0
 
 
@@ -121,17 +123,22 @@ def _teacher_forced(model, prompts: list[torch.Tensor], steps: torch.Tensor, kee
 
 
 def _greedy(model, prompts: list[torch.Tensor], paths) -> dict:
+    """Greedy rollouts on each path through the slot engine (2 slots for 3 prompts with per-sample
+    length limits: a refill midway, per-row positions), and on the Megatron path all at once."""
     from megacispo.config import RolloutConfig
-    from megacispo.rollout import generate
+    from megacispo.rollout import generate, sample_keys
 
     results = {}
-    for path in paths:
+    runs = [("all at once", "megatron", 0), *((path, path, 2) for path in paths)]
+    for name, path, slots in runs:
         model.lean_decode, compiled = PATHS[path]
-        config = RolloutConfig(max_new_tokens=GREEDY_NEW_TOKENS, temperature=0.0, compile_decode=compiled)
+        config = RolloutConfig(max_new_tokens=GREEDY_NEW_TOKENS, temperature=0.0, compile_decode=compiled,
+                               max_running=slots)
         samples = generate(
-            model, [p.tolist() for p in prompts], config, stop_ids=[EOS], pad_id=PAD, generator=torch.Generator().manual_seed(0),
+            model, [p.tolist() for p in prompts], config, stop_ids=[EOS], pad_id=PAD,
+            keys=sample_keys((0,), range(len(prompts)), 1, device="cpu"), response_limits=GREEDY_LIMITS,
         )
-        results[path] = (samples.tokens, samples.rollout_logprobs, samples.response_lengths)
+        results[name] = (samples.tokens, samples.rollout_logprobs, samples.response_lengths)
     model.lean_decode = True
     return results
 
@@ -225,7 +232,7 @@ def test_greedy_rollout_equal_on_all_paths(compared):
     dtype_name, result = compared
     if result["greedy"] is None:
         pytest.skip("greedy rollouts are compared in the fp32 model")
-    tokens, logprobs, lengths = result["greedy"]["megatron"]
+    tokens, logprobs, lengths = result["greedy"]["all at once"]
     assert bool((lengths > 1).any()), "some response must run decode steps"
     for path in result["paths"]:
         path_tokens, path_logprobs, path_lengths = result["greedy"][path]

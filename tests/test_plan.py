@@ -236,6 +236,30 @@ def test_cli_prints_the_plan_and_exits_by_the_verdict(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
+def test_rollout_cache_of_the_slots_by_hand(capsys):
+    tiny = model_config("tiny")  # 8 layers, the last softmax; 4 heads of 16, 2 KV groups, vocabulary 512
+    assert [tiny.layer_kind(i) for i in range(8)] == ["L"] * 7 + ["S"]
+    # 100 tokens -> 125 positions (a quarter more); softmax K and V in bf16: 2 x 2 groups x 16 x 125 x 2 bytes;
+    # lightning: 4 heads x 16 x 16 fp32; logits and the sampler's copies: 24 x 512 bytes.
+    softmax, lightning, logits = 2 * 2 * 16 * 125 * 2, 4 * 16 * 16 * 4, 24 * 512
+    assert plan.rollout_bytes(tiny, ParallelConfig(), 3, 100) == 3 * (softmax + 7 * lightning + logits)
+    # PP = 2: the second stage holds the softmax layer; TP = 2 halves the heads and the groups.
+    assert plan.rollout_bytes(tiny, ParallelConfig(pipeline_model_parallel_size=2), 3, 100) == (
+        3 * (softmax + 3 * lightning + logits))
+    assert plan.rollout_bytes(tiny, ParallelConfig(tensor_model_parallel_size=2), 3, 100) == (
+        3 * (softmax // 2 + 7 * lightning // 2 + logits))
+    # The cache grows with the slots, not with anything else.
+    assert plan.rollout_bytes(tiny, ParallelConfig(), 6, 100) == 2 * plan.rollout_bytes(tiny, ParallelConfig(), 3, 100)
+    arguments = ["--model", "tiny", "--seq-len", "64", "--rollout-slots", "3", "--rollout-length", "100"]
+    assert plan.main(arguments) == 0
+    assert "rollout: 3 slots x 100 tokens: cache 0.00 GiB per GPU" in capsys.readouterr().out
+    big = ["--model", "minimax-m1", "--tp", "8", "--pp", "8", "--ep", "8", "--dp", "8", "--sequence-parallel",
+           "--seq-len", "8192", "--recompute", "full", "--distributed-optimizer", "--rollout-length", "40000"]
+    assert plan.main(big + ["--rollout-slots", "64"]) == 0
+    assert plan.main(big + ["--rollout-slots", "2048"]) == 1
+    assert "rollout: 2048 slots x 40000 tokens" in capsys.readouterr().out.splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [

@@ -91,7 +91,7 @@ def test_last_number_reference():
         ("\\boxed{18} no wait \\boxed{19}", "19", 1.0),
         ("\\boxed{19} no wait \\boxed{18}", "19", 0.0),
         ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),  # nested braces
-        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 0.0),  # different spelling, not equated
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),  # another spelling of 1/2 (math-verify parses both)
         ("\\boxed{ \\dfrac{1}{ 2 } }", "\\frac{1}{2}", 1.0),
         ("\\boxed{\\left( 1, \\sqrt{2} \\right)}", "(1,\\sqrt{2})", 1.0),
         ("\\boxed{0.50}", "0.5", 1.0),

@@ -125,3 +125,12 @@ def test_cli_trains_and_reports(corpus_path, tmp_path, capsys):
     arguments = ["--input", str(corpus_path), "--vocab-size", "512", "--out", str(tmp_path / "x"), "--exact-vocab-size"]
     assert train_tokenizer.main(arguments) == 2
     assert "larger than this corpus supports" in capsys.readouterr().err
+
+
+def test_sentencepiece_save_files_and_no_chat_template(tokenizer, tmp_path):
+    [written] = tokenizer.save_files(tmp_path / "export")
+    assert written == tmp_path / "export" / MODEL_FILENAME and written.read_bytes() == tokenizer.path.read_bytes()
+    assert Tokenizer.load(tmp_path / "export").encode("12+7=") == tokenizer.encode("12+7=")
+    assert tokenizer.stop_ids == (tokenizer.eos_id,) and not tokenizer.has_chat_template
+    with pytest.raises(ValueError, match="has no chat template; set data.chat_template: false"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True)

@@ -26,7 +26,9 @@ EXPECTED_METRICS = [
     "loss/policy_loss", "loss/clip_frac_high", "loss/clip_frac_low", "loss/is_weight_mean", "loss/is_weight_max",
     "loss/entropy", "rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "advantage/mean",
     "advantage/abs_mean", "rollout/response_length_mean", "rollout/response_length_max",
-    "rollout/dynamic_sampling_dropped_frac", "rollout/train_rollout_prob_corr", "perf/grad_norm", "perf/lr",
+    "rollout/dynamic_sampling_dropped_frac", "mismatch/train_rollout_prob_corr", "mismatch/k3_kl",
+    "mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_max", "mismatch/ratio_out_of_range",
+    "mismatch/correction_masked_frac", "perf/grad_norm", "perf/lr",
     "perf/tokens_per_s", "perf/time_rollout_s", "perf/time_old_logprobs_s", "perf/time_update_s", "eval/accuracy",
     "moe/load_max_over_mean", "moe/load_max_over_mean_layer0",
 ]

@@ -77,6 +77,14 @@ Pipeline: 1F1B without interleaving; stage p holds min(PP - p, micro-batches) mi
 flight, so the first stage holds PP and the last stage one (plus the LM head).
 Fixed overhead (default 5 GiB): CUDA context and cuBLAS workspaces, NCCL buffers of the TP, PP,
 EP and DP communicators, all-to-all and all-gather staging, allocator fragmentation.
+
+Rollout (--rollout-slots N, --rollout-length L): the slot engine's cache for N sequences of up to L
+tokens (rollout.max_running, data.max_prompt_tokens + rollout.max_new_tokens), as
+megacispo.rollout.rollout_cache_bytes counts it on the stage that holds the most: the softmax
+layers' bf16 keys and values for 1.25 L positions (megacispo.rollout.slot_capacity), the lightning
+layers' fp32 [heads/TP, d, d] states, and the [N, V] logits with the sampler's copies (24 bytes a
+number). Rollouts run between updates: the weights, gradients, optimizer states and overhead stay
+resident, the training activations do not. The exit status also says whether that fits.
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ from megacispo.models.config import (
 from megacispo.models.lightning import CHUNK_TOKENS
 from megacispo.parallel.layout import ParallelConfig, validate_layout
 from megacispo.parallel.vocab_parallel import LOGITS_KEEP_BYTES, LOGITS_TILE_BYTES
+from megacispo.rollout import rollout_cache_bytes
 
 GIB = 2**30
 RECOMPUTE_MODES = RECOMPUTE_GRANULARITIES  # the run config's recompute.granularity names
@@ -445,6 +454,28 @@ def memory_plan(model: HybridModelConfig, parallel: ParallelConfig, world_size: 
                key=lambda plan: plan.total)
 
 
+def rollout_bytes(model: HybridModelConfig, parallel: ParallelConfig, slots: int, max_length: int) -> int:
+    """The rollout cache (``rollout_cache_bytes``, bf16 keys and values) of ``slots`` sequences of up to
+    ``max_length`` tokens on the GPU of the pipeline stage that holds the most."""
+    pp = parallel.pipeline_model_parallel_size
+    return max(
+        rollout_cache_bytes(model, stage_layers(model, pp, stage), slots=slots, max_length=max_length,
+                            tensor_parallel=parallel.tensor_model_parallel_size, kv_bytes=ACTIVATION_BYTES)
+        for stage in range(pp)
+    )
+
+
+def rollout_summary(plan: MemoryPlan, cache_bytes: int, slots: int, max_length: int) -> tuple[str, bool]:
+    """The rollout line of the report for ``plan``'s stage, and whether the rollout fits: the cache
+    next to what stays resident between updates (weights, gradients, optimizer states, overhead)."""
+    resident = plan.weights + plan.fp8_weight_cache + plan.gradients + plan.optimizer_states + plan.overhead
+    total = resident + cache_bytes
+    fits = total <= plan.capacity
+    line = (f"rollout: {slots} slots x {max_length} tokens: cache {gib(cache_bytes)} per GPU; with the resident "
+            f"{gib(resident)}: {gib(total)} of {gib(plan.capacity)}: " + ("fits" if fits else "DOES NOT FIT"))
+    return line, fits
+
+
 def human(count: int) -> str:
     """456.1B, 29.7M, 1.1K: one decimal in the largest unit that keeps the number >= 1."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -558,6 +589,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     memory.add_argument("--gpu-memory-gb", type=_gib, default=80.0, help="usable device memory, GiB")
     memory.add_argument("--overhead-gb", type=_gib, default=DEFAULT_OVERHEAD_GIB,
                         help="fixed overhead: CUDA context, NCCL buffers, fragmentation; GiB")
+    rollout = parser.add_argument_group("rollout")
+    rollout.add_argument("--rollout-slots", type=_at_least_one, default=None,
+                         help="sequences decoded together per GPU (rollout.max_running); default: no rollout plan")
+    rollout.add_argument("--rollout-length", type=_at_least_one, default=None,
+                         help="longest prompt + response, tokens (default: --seq-len)")
     return parser.parse_args(argv)
 
 
@@ -592,7 +628,13 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(plans, key=lambda plan: plan.total)
     print(describe_run(args, worst))
     print(summary(worst, plans))
-    return 0 if worst.fits else 1
+    rollout_fits = True
+    if args.rollout_slots is not None:
+        length = args.rollout_length or args.seq_len
+        cache = rollout_bytes(model_config(args.model), parallel, args.rollout_slots, length)
+        line, rollout_fits = rollout_summary(worst, cache, args.rollout_slots, length)
+        print(line)
+    return 0 if worst.fits and rollout_fits else 1
 
 
 if __name__ == "__main__":

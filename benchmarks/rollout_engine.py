@@ -1,0 +1,241 @@
+"""Rollout engines on long-tailed response lengths: today's lockstep engine, the slot engine at a few
+``rollout.max_running`` N, and transformers' generate, on the same weights of the ``small`` model.
+
+The samples: random prompts of 16-128 tokens, and response lengths drawn from a long-tailed
+distribution, forced by a per-sample length stop (``generate``'s ``response_limits``; no stop ids),
+so that the random model's lengths are controlled: a few samples of --long tokens (1,024), the others
+geometric with mean 20, under 64. Sampling at temperature 1.
+
+- lockstep: the engine megacispo had before the slot engine (this file keeps it as the baseline):
+  every sample prefilled at once, then decode steps for all of them until the longest finishes
+  (finished rows keep decoding a pad), its KV cache growing to the longest length for every sample;
+- slots N: ``megacispo.rollout.generate`` with rollout.max_running = N (0: every sample in a slot);
+- HF: ``MiniMaxForCausalLM.generate(do_sample=True)`` on the whole batch, left-padded, with a
+  stopping criterion that ends each row at its length (HF decodes in lockstep too).
+
+Each measurement runs in a fresh process (a world of one, gloo, fp32, one torch thread by default:
+on a shared machine more threads measure the other jobs more than the engine) that builds the HF
+model from a fixed seed and loads its weights into ours (rotary_dim = head_dim, as in
+benchmarks/rl_vs_hf.py): the sides hold the same weights. Tokens/s = generated tokens / seconds of
+the whole call (prefills included), of this process's CPU time (the ratio column) and of wall
+clock. Peak memory: the process's resident memory, sampled every millisecond during the call,
+above what it was just before (glibc's mmap threshold is pinned at 64 KiB so that freed buffers
+leave the resident set at once and every engine's allocations show). Each engine runs the workload
+twice and the second call is reported: the first call's peak also holds what the CPU layer
+(parallel/cpu, oneDNN) caches for each new matmul shape, which grows with the number of distinct
+prefill shapes (a CPU artifact; the column "first call peak" shows it).
+
+    .venv/bin/python benchmarks/rollout_engine.py [--samples 64] [--long 1024] [--slots 8 16 32 0]
+        [--flat-samples 32 128] [--flat-slots 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import threading
+import time
+
+import torch
+
+LONG_SAMPLES = 4
+SHORT_MEAN = 20
+SHORT_MAX = 63
+PAD = 0
+
+
+def workload(num_samples: int, long_tokens: int, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts, response lengths): LONG_SAMPLES of ``long_tokens`` at random places, the others
+    geometric with mean SHORT_MEAN, at most SHORT_MAX; prompts of 16-128 random tokens."""
+    generator = torch.Generator().manual_seed(1)
+    prompt_lengths = torch.randint(16, 129, (num_samples,), generator=generator).tolist()
+    prompts = [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in prompt_lengths]
+    short = torch.empty(num_samples).geometric_(1 / SHORT_MEAN, generator=generator).clamp(max=SHORT_MAX)
+    lengths = short.long().tolist()
+    for index in torch.randperm(num_samples, generator=generator)[:LONG_SAMPLES].tolist():
+        lengths[index] = long_tokens
+    return prompts, lengths
+
+
+class PeakResident:
+    """The peak of this process's resident memory above its value at the start, sampled every ms."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self._resident()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _resident(self) -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * self._page
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._resident())
+            time.sleep(0.001)
+
+    def __enter__(self) -> PeakResident:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._resident())
+
+    @property
+    def above_start_mib(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+
+@torch.no_grad()
+def lockstep_generate(model, prompts: list[list[int]], limits: list[int], config) -> int:
+    """The engine before slots (the baseline): a left-padded prefill of every prompt, then decode
+    steps for all rows until the longest response is done. Returns the tokens generated."""
+    from megacispo.rollout import sample_keys, sample_tokens
+
+    model.eval()
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], dtype=torch.long, device="cpu")
+    lengths = torch.tensor([len(p) for p in prompts], device="cpu")
+    attention_mask = torch.arange(width, device="cpu") >= width - lengths[:, None]
+    keys = sample_keys((0,), range(len(prompts)), 1, device="cpu")
+    limit = torch.tensor(limits, device="cpu")
+    logits, cache = model.prefill(input_ids, attention_mask)
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device="cpu")
+    for step in range(max(limits)):
+        positions = torch.full((len(prompts),), step, dtype=torch.long, device="cpu")
+        tokens, _, _ = sample_tokens(logits, config, keys, positions)
+        finished |= positions + 1 >= limit
+        if bool(finished.all()):
+            break
+        # Finished rows keep decoding a pad (cheaper than reshaping the cache); their output is ignored.
+        logits, cache = model.decode_step(torch.where(finished, PAD, tokens), cache)
+    return sum(limits)
+
+
+def slot_generate(model, prompts: list[list[int]], limits: list[int], config) -> int:
+    from megacispo.rollout import generate, sample_keys
+
+    samples = generate(model, prompts, config, stop_ids=[], pad_id=PAD,
+                       keys=sample_keys((0,), range(len(prompts)), 1, device="cpu"), response_limits=limits)
+    return int(samples.response_lengths.sum())
+
+
+def hf_generate(hf_model, prompts: list[list[int]], limits: list[int]) -> int:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from megacispo.parallel import cpu
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], dtype=torch.long, device="cpu")
+    attention_mask = (input_ids != PAD).long()
+    limit = torch.tensor(limits, device="cpu")
+
+    class EachAtItsLength(StoppingCriteria):
+        def __call__(self, ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            return torch.full_like(limit, ids.shape[1] - width) >= limit
+
+    cpu.disable_products()  # HF as its users run it: torch's own CPU products
+    try:
+        output = hf_model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max(limits),
+                                   do_sample=True, top_k=0, pad_token_id=PAD, eos_token_id=None,
+                                   stopping_criteria=StoppingCriteriaList([EachAtItsLength()]))
+    finally:
+        cpu.enable_kernels()
+    if output.shape[1] - width != max(limits):
+        raise RuntimeError(f"HF generated {output.shape[1] - width} tokens, not the longest length {max(limits)}")
+    return sum(limits)
+
+
+def measure(engine: str, slots: int, num_samples: int, long_tokens: int, threads: int) -> dict:
+    """One engine's run in this (fresh) process: generated tokens, wall and CPU seconds, peak MiB above
+    the start."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    from megacispo.config import RolloutConfig
+    from megacispo.models import hf_names
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    torch.set_num_threads(threads)
+    small = model_config("small")
+    config = small.replace(rotary_dim=small.head_dim)
+    init_distributed(ParallelConfig(), seed=0)
+    torch.manual_seed(0)
+    hf_model = MiniMaxForCausalLM(MiniMaxConfig(**hf_names.config_to_hf(config))).eval()
+    prompts, limits = workload(num_samples, long_tokens, config.vocab_size)
+    rollout = RolloutConfig(max_new_tokens=long_tokens, temperature=1.0, max_running=slots)
+    if engine == "HF":
+        run = lambda: hf_generate(hf_model, prompts, limits)  # noqa: E731
+    else:
+        model = HybridModel(config, transformer_config(config, ParallelConfig()))
+        tensors = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
+        model.load_state_dict(hf_names.full_to_single_process(hf_names.hf_to_full(tensors, config)), strict=False)
+        del hf_model, tensors
+        step = lockstep_generate if engine == "lockstep" else slot_generate
+        run = lambda: step(model, prompts, limits, rollout)  # noqa: E731
+    with PeakResident() as first_call:
+        run()
+    with PeakResident() as memory:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        tokens = run()
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mib": memory.above_start_mib,
+            "first_peak_mib": first_call.above_start_mib}
+
+
+def describe_machine() -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=64, help="samples of the main comparison")
+    parser.add_argument("--long", type=int, default=1024, help="tokens of the few long responses")
+    parser.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32, 0], help="max_running values (0: all)")
+    parser.add_argument("--flat-samples", type=int, nargs="*", default=[32, 128],
+                        help="more sample counts for the slot engine at --flat-slots (peak vs samples)")
+    parser.add_argument("--flat-slots", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true", help="leave transformers' generate out")
+    parser.add_argument("--threads", type=int, default=1)
+    return parser.parse_args()
+
+
+def main() -> None:
+    from megacispo.parallel.multiprocess import run_distributed
+
+    args = parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # inherited by each measurement's process
+    _, limits = workload(args.samples, args.long, 16384)
+    print(f"{describe_machine()}, {args.threads} threads, load average {os.getloadavg()[0]:.1f}")
+    print(f"{args.samples} samples: {sum(limits)} tokens, longest {max(limits)}, "
+          f"{sum(length < 64 for length in limits)} under 64\n")
+    runs = [("lockstep", 0, args.samples), *(("slots", n, args.samples) for n in args.slots)]
+    runs += [("slots", args.flat_slots, count) for count in args.flat_samples]
+    if not args.skip_hf:
+        runs.append(("HF", 0, args.samples))
+    print("| engine | N | samples | tokens | CPU s | tokens / CPU s | vs lockstep | wall s | tokens / wall s "
+          "| peak MiB | first call peak MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    baseline = None
+    for engine, slots, count in runs:
+        (result,) = run_distributed(measure, 1, engine, slots, count, args.long, args.threads, timeout_s=3600.0)
+        rate = result["tokens"] / result["cpu_seconds"]
+        baseline = baseline or rate
+        label = "all" if engine == "slots" and slots == 0 else (str(slots) if engine == "slots" else "-")
+        print(f"| {engine} | {label} | {count} | {result['tokens']} | {result['cpu_seconds']:.1f} | {rate:.0f} | "
+              f"{rate / baseline:.2f}x | {result['seconds']:.1f} | {result['tokens'] / result['seconds']:.0f} | "
+              f"{result['peak_mib']:.0f} | {result['first_peak_mib']:.0f} |", flush=True)
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
