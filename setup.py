@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Megatron-Core RL training stack for MiniMax-M1 style hybrid lightning-attention MoE models with CISPO",
     python_requires=">=3.10",
-    # models/ and parallel/ sit at the top of the repository (SYSTEM.md) but install as subpackages.
+    # models/ and parallel/ sit at the top of the repository but install as subpackages.
     packages=["megacispo", "megacispo.models", "megacispo.parallel", "megacispo.parallel.cpu"],
     package_dir={
         "megacispo": "megacispo",

@@ -4,7 +4,7 @@ A randomly initialised `small`-size transformers MiniMaxForCausalLM (config from
 hf_names.config_to_hf(model_config("small")), no download) is saved with save_pretrained; each
 step then runs in a fresh subprocess that reports its own peak RSS (VmHWM):
 
-- baseline: imports what the converter imports, nothing else;
+- baseline: the imports (the converter's, and transformers for the set-up), nothing else;
 - setup: the converter's fixed work before any tensor: a world of one and the model on the meta
   device (what hf-to-megatron builds to know the checkpoint's keys, shapes and chunks);
 - hf-to-megatron and megatron-to-hf: the conversions (safetensors shards of at most
@@ -28,6 +28,16 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import megatron.core  # noqa: F401  (the converter's first call imports it: part of every step's baseline)
+import torch
+from safetensors import safe_open
+from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+from megacispo import convert
+from megacispo.models import model  # noqa: F401  (likewise)
+from megacispo.models.config import PARAMS_DTYPES, model_config
+from megacispo.models.hf_names import config_to_hf
+
 MIB = 1024**2
 
 
@@ -43,15 +53,9 @@ def _peak_rss_bytes() -> int:
 def _child(step: str, work: Path) -> dict:
     """One measured step, in this (fresh) process."""
     warnings.simplefilter("ignore")
-    import megatron.core  # noqa: F401  (imported by the converter too)
-    from megacispo import checkpoint, convert  # noqa: F401
-    from megacispo.models import hf_names, model  # noqa: F401
-
     meter = convert.TensorMeter()
     if step == "setup":
-        from megacispo.models.config import model_config
-
-        convert.checkpoint_contents(model_config("small"), convert.DTYPES["float32"])
+        convert.checkpoint_contents(model_config("small"), PARAMS_DTYPES["float32"])
     elif step == "hf-to-megatron":
         convert.hf_to_megatron(work / "hf", work / "ckpt", progress=False, meter=meter)
     elif step == "megatron-to-hf":
@@ -71,13 +75,6 @@ def _run_child(step: str, work: Path) -> dict:
 
 def _save_small_model(directory: Path) -> tuple[int, int]:
     """Save the random `small` model; returns (largest tensor bytes, total bytes) on disk."""
-    import torch
-    from safetensors import safe_open
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
-
-    from megacispo.models.config import model_config
-    from megacispo.models.hf_names import config_to_hf
-
     torch.manual_seed(0)
     MiniMaxForCausalLM(MiniMaxConfig(**config_to_hf(model_config("small")))).save_pretrained(directory)
     sizes = []

@@ -58,6 +58,8 @@ from typing import Callable
 import torch
 import yaml
 
+from megacispo.metrics import read_scalars
+
 # Dense bf16 tensor-core peak, TFLOP/s, of the GPUs this project targets (SXM parts).
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0}
 REPO = Path(__file__).resolve().parent.parent
@@ -720,8 +722,9 @@ def write_score_tokens(test_prompts: Path, tokenizer_path: Path, out: Path) -> t
 
 
 def sft_stage(run: DriverRun) -> str:
-    output = run.launch("sft", "megacispo.sft", *run.config_args())
-    losses = console_values(output, "sft_loss")
+    run.launch("sft", "megacispo.sft", *run.config_args())
+    # SFT prints a console line every few steps under its progress bar; TensorBoard has every step.
+    losses = {step: value for step, value in read_scalars(run.run_dir / "sft").get("sft/loss", [])}
     require_finite(losses, "sft_loss", list(range(1, SFT_STEPS + 1)))
     first, last = losses[1], losses[SFT_STEPS]
     require(last < first, f"the SFT loss did not fall: {first:.4f} -> {last:.4f}")

@@ -34,10 +34,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the multi-process harness lives there
+from multiprocess_harness import run_distributed  # noqa: E402
 
 LONG_SAMPLES = 4
 SHORT_MEAN = 20
@@ -210,8 +215,6 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    from megacispo.parallel.multiprocess import run_distributed
-
     args = parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # inherited by each measurement's process
     _, limits = workload(args.samples, args.long, 16384)

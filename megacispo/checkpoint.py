@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 # 2: meta.json records the size of every file of the checkpoint.
 FORMAT_VERSION = 2
@@ -88,6 +90,7 @@ def sharded_metadata() -> dict[str, Any]:
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The MegatronModule inside DDP/FSDP/Float16 wrappers: the wrappers would prefix every key
     with ``module.``, so the same weights would get different keys with and without DDP."""
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core.utils import unwrap_model
 
     module = unwrap_model(model)
@@ -107,6 +110,7 @@ def _materialize_adam_state(optimizer) -> None:
     ``sharded_state_dict(is_loading=True)`` calls it: loading into a fresh optimizer fails there.
     The placeholder values are overwritten by the load.
     """
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
@@ -154,6 +158,7 @@ def _load_optimizer(optimizer, state: Any) -> None:
     A checkpoint saved by another chain of distributed optimizers (another EP, below) is first put
     into this run's chain (``_state_for_chain``).
     """
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = getattr(optimizer, "chained_optimizers", None)
@@ -274,11 +279,26 @@ def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> 
             _materialize_adam_state(optimizer)
         # The optimizer maps its states onto the model's sharding: same tensors, "optimizer." keys.
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
+        _drop_absent_param_states(state["optimizer"])
     return state
+
+
+def _drop_absent_param_states(optimizer_state: dict) -> None:
+    """Remove the ``param_state: None`` that the distributed optimizer leaves on data-parallel ranks
+    other than 0 when it gathers on DP rank 0 alone (distrib_optim_fully_reshardable_mem_efficient,
+    the CPU's way, sharded_metadata): rank 0's gathered state is sharded tensors, which leave the common
+    state, so the None alone would make the ranks' common states differ and Megatron's
+    ``_validate_common_state_dict`` (dist_checkpointing/validation.py) warn at every save. Only rank
+    0's common state is written, so the checkpoint does not change."""
+    sub_states = [optimizer_state, *(value for key, value in optimizer_state.items() if isinstance(key, int))]
+    for sub_state in sub_states:
+        if isinstance(sub_state, dict) and "param_state" in sub_state and sub_state["param_state"] is None:
+            del sub_state["param_state"]
 
 
 def parallel_layout() -> dict[str, int]:
     """This process's Megatron-Core parallel layout, as recorded in meta.json."""
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core import parallel_state
 
     return {
@@ -322,6 +342,7 @@ def _json_checked(name: str, value: Any) -> Any:
 
 def capture_rng() -> dict[str, Any]:
     """This rank's RNG states as tensors and plain containers (loadable with weights_only=True)."""
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core import tensor_parallel
 
     key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)[1:]
@@ -344,6 +365,7 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Set this rank's RNG states to ``capture_rng``'s."""
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core import tensor_parallel
 
     version, internal, gauss_next = state["python"]
@@ -410,6 +432,7 @@ def save_checkpoint(
         temporary.mkdir()
     _barrier()
 
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core import dist_checkpointing
 
     # Into an empty directory: Megatron warns about overwriting a corrupted checkpoint otherwise.
@@ -728,8 +751,8 @@ def _read_shards(path: Path, sharded_state: dict[str, Any]) -> dict[str, Any]:
     """``dist_checkpointing.load``, a shard that does not read back reported as a CheckpointError.
     torch DCP gathers the failures of the ranks' readers and raises them on every rank, so every rank
     raises it; rank 0, which prints it, names the damaged file."""
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         return dist_checkpointing.load(sharded_state, str(path))
@@ -756,7 +779,6 @@ def _damaged_record(path: Path) -> str | None:
     """The first record of the shard files under ``path`` that does not begin and end as torch.save
     writes one, as '<file> at byte <offset>'; None when all do. Reads 8 bytes per record: it finds a
     record zeroed or overwritten at either end, not damage confined to a tensor's bytes."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     try:
         # torch DCP's own reading of its index (.metadata), which the failed load has just done.

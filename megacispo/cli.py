@@ -10,16 +10,15 @@ import os
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from megacispo.config import Config, load_config, max_prompt_tokens
+from megacispo.config import Config, load_config, max_prompt_tokens, training_world_size
 from megacispo.data import PromptLimit, PromptRecord, RecordFields, load_prompts
 from megacispo.models.config import model_shape, parameter_counts
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import validate_layout, world_size_from_env
+from megacispo.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from megacispo.tokenizer import Tokenizer
 
 
 def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
@@ -84,18 +83,24 @@ def start_up(args: argparse.Namespace, check_batches: Callable[[Config, int], No
     A run that asks for Transformer Engine (FP8) fails here when this machine lacks it, or lacks the
     version its FP8 recipe needs; a dry run only plans, so it names the missing piece in the plan
     instead (a login node without GPUs can check a GPU run's config)."""
-    # Megatron-Core warns at import that Transformer Engine and apex are absent; on the CPU path that
-    # is expected, and the warnings would bury the run's own output.
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    overrides = list(args.set) + ([f"{args.load_field}={args.load}"] if args.load else [])
-    config = load_config(args.config, overrides, load_field=args.load_field)
-    world_size = world_size_from_env()
+    config = load_run_config(args)
+    # The training processes: the layout and the batches split over them, not over the rollout processes.
+    world_size = training_world_size(config, world_size_from_env())
     validate_layout(config.parallel, world_size, model_shape(config.model))
     check_batches(config, config.parallel.data_parallel_size(world_size))
     if config.precision.transformer_engine and not args.dry_run:
         require_transformer_engine(config.precision.fp8)
     return config, world_size
+
+
+def load_run_config(args: argparse.Namespace) -> Config:
+    """The config of --config, --set and --load, validated on its own (not yet against a world size)."""
+    # Megatron-Core warns at import that Transformer Engine and apex are absent; on the CPU path that
+    # is expected, and the warnings would bury the run's own output.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    overrides = list(args.set) + ([f"{args.load_field}={args.load}"] if args.load else [])
+    return load_config(args.config, overrides, load_field=args.load_field)
 
 
 def precision_plan(config: Config) -> str:
@@ -143,8 +148,6 @@ def plan(config: Config, world_size: int) -> str:
 
 def load_tokenizer(config: Config) -> Tokenizer:
     """The run's tokenizer, checked against the model's vocabulary and data.chat_template."""
-    from megacispo.tokenizer import Tokenizer
-
     path = _data_path(config, "tokenizer")
     try:
         tokenizer = Tokenizer.load(path)

@@ -50,6 +50,10 @@ class DataConfig:
     """A longer prompt, or an SFT pair over the context: error, skip, or truncate_left (keep BOS and the end)."""
 
 
+# rollout.dtype's choices: the precisions a rollout can generate in.
+ROLLOUT_DTYPES = ("float32", "bfloat16")
+
+
 @dataclass(kw_only=True)
 class RolloutConfig:
     """Generation of G samples per prompt by the policy being trained."""
@@ -80,6 +84,10 @@ class RolloutConfig:
     """Sequences decoded together per rank; a finished one's slot takes the next waiting sample (0: all at once)."""
     max_cache_gib: float = 0.0
     """Cap on the rollout cache of max_running slots per GPU, GiB, checked at start-up (0: no cap)."""
+    dtype: str = "float32"
+    """Precision of generation, float32 or bfloat16 (training keeps precision.params_dtype; the LM head follows model.fp32_lm_head)."""
+    max_staleness: int = 0
+    """Steps a rollout's weights may lag the step it trains (needs placement.rollout_ranks; 0: on-policy, 1: one step behind)."""
 
 
 @dataclass(kw_only=True)
@@ -132,6 +140,8 @@ class RLConfig:
     """Added to the group std when normalizing advantages."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance-sampling correction between rollout and training probabilities."""
+    routing_replay: bool = False
+    """R3: route every token to the experts the rollout chose, in the old-log-prob and update forwards."""
 
 
 @dataclass(kw_only=True)
@@ -232,6 +242,14 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class PlacementConfig:
+    """Which processes generate and which train."""
+
+    rollout_ranks: int = 0
+    """K: the last K processes only generate (whole-model replicas: TP = PP = EP = 1), the others only train (0: all do both)."""
+
+
+@dataclass(kw_only=True)
 class Config:
     """Everything a run needs."""
 
@@ -247,6 +265,8 @@ class Config:
     """Prompts and tokenizer."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Rollouts on processes of their own."""
     rl: RLConfig = field(default_factory=RLConfig)
     """The RL recipe."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -420,7 +440,7 @@ def _hf_load(tree: dict, load_field: str | None) -> str | None:
 
 
 # What config.json does not describe: how the model computes, which the run config may choose.
-_NOT_IN_HF_CONFIG = ("fp32_lm_head",)
+_NOT_IN_HF_CONFIG = ("fp32_lm_head", "freeze_router")
 
 
 def _model_values_from_hf(explicit: Any, hf_dir: str, load_field: str) -> dict:
@@ -486,6 +506,8 @@ _RANGES: dict[str, _Range] = {
     "rollout.max_sampling_rounds": _AT_LEAST_1,
     "rollout.max_running": _Range(0, note="0: all of a rank's samples at once"),
     "rollout.max_cache_gib": _Range(0, note="0: no cap"),
+    "rollout.max_staleness": _Range(0, note="0: synchronous"),
+    "placement.rollout_ranks": _Range(0, note="0: every process generates and trains"),
     "rl.updates_per_rollout": _AT_LEAST_1,
     "rl.max_reward_failure_frac": _Range(0, 1, note="1: never stop"),
     "rl.overlong_max_length": _Range(0, note="0: off"),
@@ -535,6 +557,7 @@ def validate_config(config: Config) -> None:
             raise ValueError(f"{name} = {value!r}: it must be {allowed}")
     _check_choices(config)
     _check_cross_fields(config)
+    _check_placement(config)
     _check_lengths(config)
     _check_compile_decode(config)
     _check_rollout_memory(config)
@@ -554,6 +577,8 @@ def _check_choices(config: Config) -> None:
         raise ValueError("train.run_dir is empty: name the directory for the run's checkpoints and logs")
     if rl.old_logprobs not in ("recompute", "rollout"):
         raise ValueError(f"rl.old_logprobs = {rl.old_logprobs!r}: use recompute or rollout")
+    if config.rollout.dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout.dtype = {config.rollout.dtype!r}: use one of {', '.join(ROLLOUT_DTYPES)}")
     if rl.rollout_correction.mode not in CORRECTION_MODES:
         raise ValueError(f"rl.rollout_correction.mode = {rl.rollout_correction.mode!r}: use one of "
                          f"{', '.join(CORRECTION_MODES)}")
@@ -583,6 +608,41 @@ def _check_cross_fields(config: Config) -> None:
             f"rl.overlong_cache_length = {rl.overlong_cache_length} exceeds rl.overlong_max_length = "
             f"{rl.overlong_max_length}: the ramp must fit below the limit"
         )
+
+
+def _check_placement(config: Config) -> None:
+    """What rollouts on their own processes need (the world size is checked by ``training_world_size``)."""
+    ranks, staleness = config.placement.rollout_ranks, config.rollout.max_staleness
+    if staleness and not ranks:
+        raise ValueError(
+            f"rollout.max_staleness = {staleness} needs placement.rollout_ranks > 0: processes that generate and "
+            "train in turn always sample from the weights they train; set placement.rollout_ranks (e.g. 1) or "
+            "rollout.max_staleness = 0"
+        )
+    if ranks and config.rollout.prompts_per_step % ranks:
+        raise ValueError(
+            f"rollout.prompts_per_step = {config.rollout.prompts_per_step} is not divisible by "
+            f"placement.rollout_ranks = {ranks}: each rollout process generates an equal share; use a multiple of "
+            f"{ranks}"
+        )
+    if ranks and config.rl.routing_replay and config.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"rl.routing_replay = true with placement.rollout_ranks = {ranks} needs "
+            f"parallel.pipeline_model_parallel_size = 1 (it is {config.parallel.pipeline_model_parallel_size}): the "
+            "rollout processes record every layer's routes, a pipeline stage replays only its own; set "
+            "rl.routing_replay = false or placement.rollout_ranks = 0"
+        )
+
+
+def training_world_size(config: Config, world_size: int) -> int:
+    """The processes that train: the world less placement.rollout_ranks, which must leave at least one."""
+    ranks = config.placement.rollout_ranks
+    if ranks >= world_size:
+        raise ValueError(
+            f"placement.rollout_ranks = {ranks} leaves no training process in a world of {world_size}: launch more "
+            f"than {ranks} processes (torchrun --nproc-per-node) or lower placement.rollout_ranks"
+        )
+    return world_size - ranks
 
 
 def _check_lengths(config: Config) -> None:

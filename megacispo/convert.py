@@ -37,12 +37,14 @@ import secrets
 import shutil
 import sys
 import warnings
+import math
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter, LoadPlan, SavePlan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -54,8 +56,26 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megacispo.checkpoint import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE, params_dtype_of
+from tqdm import tqdm
+
+from megacispo.checkpoint import (
+    MEGATRON_COMMON_FILE,
+    MEGATRON_CONFIG_FILE,
+    checkpoint_dir,
+    checkpoint_meta,
+    load_checkpoint,
+    params_dtype_of,
+    read_meta,
+    resolve_checkpoint,
+    sharded_metadata,
+    write_meta,
+)
 from megacispo.cli import bad_input_exits
+from megacispo.config import Config, to_dict
+from megacispo.models import hf_names
+from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig, model_shape, transformer_config
+from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY, FUSED
+from megacispo.parallel.layout import ParallelConfig, init_distributed, validate_layout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -63,7 +83,6 @@ CONFIG_FILE = "config.json"
 CONVERTED_STEP = 0
 # Derived (recomputed) lightning buffers that HF may hold: neither read nor written.
 DERIVED_SUFFIXES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SAFETENSORS_DTYPE_OF = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -151,7 +170,6 @@ class HFCheckpoint:
 def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
     """config.json and each tensor's file, shape and dtype; checks that every listed file exists
     and that the index names only tensors its files hold. Reads headers only, no tensor data."""
-    from safetensors import SafetensorError, safe_open
 
     directory = Path(hf_dir)
     if not directory.is_dir():
@@ -268,9 +286,9 @@ def check_no_unknown_tensors(checkpoint: HFCheckpoint, mappings: list) -> None:
 
 
 def hf_params_dtype(checkpoint: HFCheckpoint, requested: str = "auto") -> torch.dtype:
-    """``requested`` (a name of DTYPES), or for "auto" the dtype the HF tensors are stored in."""
+    """``requested`` (a name of PARAMS_DTYPES), or for "auto" the dtype the HF tensors are stored in."""
     if requested != "auto":
-        return DTYPES[requested]
+        return PARAMS_DTYPES[requested]
     name = "model.embed_tokens.weight"
     if name not in checkpoint.dtype_of:
         raise ValueError(f"HF tensor {name} is missing from {checkpoint.directory}.")
@@ -333,9 +351,9 @@ class Chunk:
 
 def _init_single_process() -> None:
     """A world of one for Megatron's parallel state (the model's modules read it)."""
+    # Megatron-Core on first use: hf_checkpoint imports this module, and the train dry run must import none of it.
     from megatron.core import parallel_state
 
-    from megacispo.parallel.layout import ParallelConfig, init_distributed
 
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(ParallelConfig(), seed=0)
@@ -348,9 +366,8 @@ def _init_single_process() -> None:
 
 def _single_process_model(config, params_dtype: torch.dtype, device: str | torch.device = "cpu"):
     """Our model in one process (TP = PP = EP = 1); on the meta device it holds no memory."""
-    from megacispo.models.config import transformer_config
+    # Megatron-Core on first use: hf_checkpoint imports this module, and the train dry run must import none of it.
     from megacispo.models.model import HybridModel
-    from megacispo.parallel.layout import ParallelConfig
 
     _init_single_process()
     megatron_config = transformer_config(config, ParallelConfig(), params_dtype=params_dtype)
@@ -363,10 +380,10 @@ def _single_process_model(config, params_dtype: torch.dtype, device: str | torch
 def checkpoint_contents(config, params_dtype: torch.dtype) -> tuple[list[Chunk], dict[str, Any]]:
     """(chunks, objects) that ``save_checkpoint`` would write for this model: the tensor chunks in
     the model's order, and Megatron's sharded objects (the layers' extra state) by storage key."""
+    # Megatron-Core on first use: hf_checkpoint imports this module, and the train dry run must import none of it.
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
-    from megacispo.checkpoint import sharded_metadata
 
     model = _single_process_model(config, params_dtype, device="meta")
     sharded_state = model.sharded_state_dict(metadata=sharded_metadata())
@@ -397,7 +414,6 @@ class HFChunkSource:
         self.params_dtype = params_dtype
 
     def read(self, chunk: Chunk) -> torch.Tensor:
-        from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY
 
         mapping = self.mapping_of[chunk.key]
         if chunk.key.endswith((EXPERT_FC1_KEY, EXPERT_FC2_KEY)):
@@ -417,7 +433,6 @@ class HFChunkSource:
 
     def _expert(self, mapping, expert: int) -> torch.Tensor:
         """Expert ``expert``'s matrix of a stacked tensor: [2I, H] = [W1; W3] for fc1, [H, I] for fc2."""
-        from megacispo.models.hf_names import EXPERT_FC1_KEY, FUSED
 
         if self.experts_layout == FUSED:
             return self.reader.read(mapping.hf_names[0], index=expert)
@@ -478,7 +493,6 @@ def write_distributed_checkpoint(
 ) -> None:
     """Write a torch_dist checkpoint of ``chunks`` (data from ``read``) and ``objects`` into the
     empty ``directory``, in parts of at most the largest chunk's size, merged at the end."""
-    from tqdm import tqdm
 
     part_bytes = max(chunk.nbytes for chunk in chunks)
     state_dict_metadata: dict[str, Any] = {}
@@ -527,7 +541,6 @@ def _write_megatron_files(directory: Path) -> None:
 
 def _write_meta(directory: Path, config_dict: dict, extra_state: dict) -> None:
     """meta.json as save_checkpoint writes it for a model without optimizer."""
-    from megacispo.checkpoint import checkpoint_meta, write_meta
 
     write_meta(directory, checkpoint_meta(CONVERTED_STEP, has_optimizer=False, scheduler_state=None,
                                           extra_state=extra_state, config_dict=config_dict))
@@ -535,10 +548,6 @@ def _write_meta(directory: Path, config_dict: dict, extra_state: dict) -> None:
 
 def _layout_parallel_config(config, tp: int, pp: int, ep: int, etp: int | None):
     """Validate the layout the checkpoint is meant for; TP > 1 with experts needs sequence parallelism."""
-    import math
-
-    from megacispo.models.config import model_shape
-    from megacispo.parallel.layout import ParallelConfig, validate_layout
 
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp,
@@ -591,9 +600,6 @@ def hf_to_megatron(
     Returns the step directory. Nothing is left at ``out`` when it fails. ``tp/pp/ep/etp``: the layout
     recorded in meta.json (etp None: the same as tp). ``meter`` counts the bytes of the tensors held
     at once."""
-    from megacispo.checkpoint import checkpoint_dir
-    from megacispo.config import Config, to_dict
-    from megacispo.models import hf_names
 
     out = Path(out)
     _check_new(out)
@@ -629,8 +635,8 @@ def hf_to_megatron(
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The DTYPES name of ``dtype`` (as precision.params_dtype spells it)."""
-    return next(name for name, value in DTYPES.items() if value == dtype)
+    """The PARAMS_DTYPES name of ``dtype`` (as precision.params_dtype spells it)."""
+    return next(name for name, value in PARAMS_DTYPES.items() if value == dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,6 +672,7 @@ class CheckpointTensorReader:
     """Regions of the tensors of a torch_dist checkpoint directory, read one at a time."""
 
     def __init__(self, directory: Path, meter: TensorMeter | None = None):
+        # Megatron-Core on first use: the train dry run imports this module and must import none of it.
         from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
             CachedMetadataFileSystemReader,
         )
@@ -700,7 +707,6 @@ HFReadPlan = list[tuple[list[tuple[str, tuple[int, ...]]], torch.dtype, Callable
 def _hf_tensor_plan(reader: CheckpointTensorReader, config) -> HFReadPlan:
     """(HF names with their shapes, their dtype, a reader of them) in HF order, one entry per tensor we read:
     a whole tensor, or one expert of a stacked expert tensor (legacy layout: one tensor per expert)."""
-    from megacispo.models import hf_names
 
     plan = []
     for mapping in hf_names.tensor_mappings(config, hf_names.LEGACY):
@@ -828,11 +834,6 @@ def write_hf_files(
     """The safetensors shards, their index and config.json of a megacispo checkpoint, written into
     the existing empty ``directory`` (megatron_to_hf and megacispo.hf_checkpoint.export_hf make it
     beside their output and rename it when everything is written)."""
-    from tqdm import tqdm
-
-    from megacispo.checkpoint import read_meta, resolve_checkpoint
-    from megacispo.models import hf_names
-    from megacispo.models.config import HybridModelConfig
 
     if max_shard_bytes < 1:
         raise ValueError(f"--max-shard-bytes = {max_shard_bytes}: it must be positive.")
@@ -887,7 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_megatron.add_argument("--rotary-dim", type=int, default=None,
                              help="rotated channels per head (default: config.json's rotary_dim, else head_dim "
                                   "as HF transformers computes; the original MiniMax uses head_dim / 2)")
-    to_megatron.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+    to_megatron.add_argument("--dtype", choices=["auto", *PARAMS_DTYPES], default="auto",
                              help="parameter dtype of the checkpoint (auto: the HF tensors' dtype)")
     to_hf = commands.add_parser("megatron-to-hf", help="megacispo checkpoint -> HF directory")
     to_hf.add_argument("--ckpt", required=True, help="step_* directory, or a checkpoints root (its newest step)")
@@ -920,15 +921,13 @@ def main(argv: list[str] | None = None) -> int:
 def load_single_process(ckpt: str | os.PathLike):
     """(model, config, meta) of a megacispo checkpoint (step dir or checkpoints root) in one
     process, loaded with megacispo.checkpoint.load_checkpoint. Holds the whole model."""
-    from megacispo.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
-    from megacispo.models.config import HybridModelConfig
 
     step_dir = resolve_checkpoint(ckpt)
     meta = read_meta(step_dir)
     if not meta.get("config") or "model" not in meta["config"]:
         raise ValueError(f"{step_dir}/meta.json has no config.model: this checkpoint cannot be converted.")
     config = HybridModelConfig(**meta["config"]["model"])
-    params_dtype = DTYPES[params_dtype_of(meta)]
+    params_dtype = PARAMS_DTYPES[params_dtype_of(meta)]
     model = _single_process_model(config, params_dtype)
     load_checkpoint(step_dir, model, load_rng=False)
     return model, config, meta
@@ -936,7 +935,6 @@ def load_single_process(ckpt: str | os.PathLike):
 
 def full_tensors(model) -> dict[str, torch.Tensor]:
     """The single-process model's tensors under our checkpoint keys (experts stacked [E, ...])."""
-    from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY
 
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}

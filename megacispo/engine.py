@@ -49,6 +49,14 @@ def build_inference_model(
     ).eval()
 
 
+def freeze_routers(model: HybridModel) -> None:
+    """model.freeze_router: the routers' weights leave autograd (requires_grad = False) before DDP and
+    the optimizer are built, so they get no gradient buffer, no optimizer state and no update; the
+    router's output still carries the gradient to the layer's input."""
+    for layer in model.decoder.layers:
+        layer.mlp.router.weight.requires_grad_(False)
+
+
 @dataclass
 class StepResult:
     """What one optimizer step reports."""
@@ -81,6 +89,8 @@ class Engine:
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
+        if config.model.freeze_router:
+            freeze_routers(module)
         bf16 = self.megatron_config.bf16
         self.model = DistributedDataParallel(
             self.megatron_config,

@@ -16,8 +16,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megacispo.checkpoint import CheckpointError, load_checkpoint, params_dtype_of, read_meta, resolve_checkpoint
 from megacispo.cli import bad_input_exits, build_parser, load_rl_prompt_file, load_tokenizer, plan, start_up
 from megacispo.config import Config
+from megacispo.hf_checkpoint import check_start_weights, hf_params_dtype_name, is_hf_directory, load_hf_weights
+from megacispo.metrics import MetricsLogger, is_logging_rank
+from megacispo.parallel.layout import destroy_distributed, init_distributed
+from megacispo.rewards import get_reward_fn
 
 EVAL_DIR = "eval"
 
@@ -51,9 +56,6 @@ def check_eval(config: Config, data_parallel_size: int) -> None:
 def weights_source(config: Config) -> WeightsSource:
     """The weights of train.load, checked against config.model as the trainer checks its start weights
     (CheckpointError naming the file and the fix) before any model is built."""
-    from megacispo.checkpoint import params_dtype_of, read_meta, resolve_checkpoint
-    from megacispo.hf_checkpoint import check_start_weights, hf_params_dtype_name, is_hf_directory
-
     load = Path(config.train.load)
     check_start_weights("train.load", load, config.model)
     if is_hf_directory(load):
@@ -65,6 +67,7 @@ def weights_source(config: Config) -> WeightsSource:
 
 def eval_plan(config: Config, source: WeightsSource) -> str:
     """One line on what the evaluation computes, and where its metrics go."""
+    # evaluation imports Megatron-Core (the rollout engine): here, so that --help and bad input do not.
     from megacispo.evaluation import pass_at_k_values
 
     evaluation = config.eval
@@ -92,9 +95,8 @@ def format_table(metrics: dict[str, float]) -> str:
 
 def load_model(config: Config, source: WeightsSource):
     """This rank's piece of the model with the weights of ``source`` (after init_distributed)."""
-    from megacispo.checkpoint import load_checkpoint
+    # Megatron-Core: imported once the process group exists; the dry run imports none of it.
     from megacispo.engine import build_inference_model
-    from megacispo.hf_checkpoint import load_hf_weights
 
     model = build_inference_model(config.model, source.params_dtype, config.parallel)
     if source.is_hf:
@@ -106,10 +108,10 @@ def load_model(config: Config, source: WeightsSource):
 
 def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
     """The metrics of megacispo.evaluation on every rank, rewarded by rl.reward."""
+    # Megatron-Core: imported once the process group exists; the dry run imports none of it.
     from megatron.core import parallel_state
 
     from megacispo.evaluation import Evaluator
-    from megacispo.rewards import get_reward_fn
 
     return Evaluator(model, tokenizer, records, get_reward_fn(config.rl.reward), config,
                      parallel_state.get_data_parallel_group()).run()
@@ -127,10 +129,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         tokenizer = load_tokenizer(config)
         records, _ = load_rl_prompt_file(config, tokenizer, "test_prompts")
-
-    from megacispo.checkpoint import CheckpointError
-    from megacispo.metrics import MetricsLogger, is_logging_rank
-    from megacispo.parallel.layout import destroy_distributed, init_distributed
 
     init_distributed(config.parallel, config.train.seed)
     with bad_input_exits(CheckpointError):  # raised on every rank alike

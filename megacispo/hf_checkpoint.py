@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megacispo.checkpoint import META_FILE, CheckpointError, load_checkpoint, weights_checkpoint
+from megacispo.checkpoint import META_FILE, CheckpointError, load_checkpoint, sharded_metadata, weights_checkpoint
 from megacispo.convert import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -127,11 +127,10 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     model's sharded state dict gets the region of its global tensor that it holds, read from the
     HF tensors (one expert at a time for the stacked experts) and cast to the parameter's dtype.
     ``check_hf_checkpoint`` has checked the directory before the model was built."""
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     from megatron.core.utils import unwrap_model
-
-    from megacispo.checkpoint import sharded_metadata
 
     module = unwrap_model(model)
     checkpoint = read_hf_checkpoint(hf_dir)

@@ -91,11 +91,27 @@ def compute_global_counts(
             f"loss_masks ({len(loss_masks)} tensors) and old_logprobs ({len(old_logprobs)} tensors) must be "
             "non-empty and hold one tensor per micro-batch each"
         )
-    num_tokens = torch.zeros((), dtype=torch.int64, device=loss_masks[0].device)
-    num_sequences = torch.zeros_like(num_tokens)
+    valid_masks = []
     for index, (loss_mask, old) in enumerate(zip(loss_masks, old_logprobs)):
         _check_same_shape(f"loss_masks[{index}]", loss_mask, f"old_logprobs[{index}]", old)
-        valid = valid_token_mask(loss_mask, old)
+        valid_masks.append(valid_token_mask(loss_mask, old))
+    return _sum_counts(valid_masks, group)
+
+
+def count_loss_tokens(loss_masks: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> GlobalCounts:
+    """Count the loss tokens and sequences of one optimizer step of a loss without old log-probs
+    (SFT's cross-entropy): every nonzero entry of the micro-batches' loss masks [batch, seq],
+    summed over ``group`` as ``compute_global_counts`` sums them (None: no reduction)."""
+    if not loss_masks:
+        raise ValueError("loss_masks is empty: pass one loss mask per micro-batch of the step")
+    return _sum_counts([loss_mask != 0 for loss_mask in loss_masks], group)
+
+
+def _sum_counts(valid_masks: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> GlobalCounts:
+    """Tokens and sequences with a token of the bool [batch, seq] ``valid_masks``, summed over ``group``."""
+    num_tokens = torch.zeros((), dtype=torch.int64, device=valid_masks[0].device)
+    num_sequences = torch.zeros_like(num_tokens)
+    for valid in valid_masks:
         num_tokens = num_tokens + valid.sum()
         num_sequences = num_sequences + valid.any(dim=-1).sum()
     if group is not None:

@@ -271,9 +271,11 @@ class MetricsLogger:
         self._wandb_run = _start_wandb(Path(run_dir), wandb) if enabled and wandb is not None else None
 
     @classmethod
-    def from_config(cls, config: Config, enabled: bool, run_dir: str | Path | None = None) -> MetricsLogger:
+    def from_config(cls, config: Config, enabled: bool, run_dir: str | Path | None = None,
+                    console: bool = True) -> MetricsLogger:
         """The logger of a run of ``config`` under ``run_dir`` (default: train.run_dir), writing to W&B
-        too when logging.wandb: its run is named logging.wandb_run_name or else train.run_dir's name."""
+        too when logging.wandb: its run is named logging.wandb_run_name or else train.run_dir's name.
+        ``console``: print each step's line (SFT prints its own, every few steps, under its progress bar)."""
         from megacispo.config import to_dict
 
         logging_config = config.logging
@@ -284,7 +286,7 @@ class MetricsLogger:
                 name=logging_config.wandb_run_name or Path(config.train.run_dir).name,
                 config=to_dict(config),
             )
-        return cls(run_dir or config.train.run_dir, enabled, wandb=wandb)
+        return cls(run_dir or config.train.run_dir, enabled, console=console, wandb=wandb)
 
     def log(
         self,

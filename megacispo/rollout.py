@@ -23,6 +23,12 @@ from one uniform that a counter-based hash (splitmix64) computes from (key, t) o
 same samples come out at any ``max_running`` and in any order slots free up. Under tensor
 parallelism the model gathers the vocabulary shards of the last position's logits, so every rank of
 the TP group sees the full distribution and draws the same token.
+
+Generation runs in rollout.dtype (``HybridModel.generation_dtype``: a copy of the weights in that
+precision for the rollout, the LM head in fp32 with model.fp32_lm_head), and the log-probs it
+reports are those of that computation, as an inference engine's are. Every routing records the
+experts each MoE layer of this stage chose for each token (``Samples.routes``, compact integers),
+for the trainer's router-disagreement metric and routing replay (models/routing.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from tqdm import tqdm
 from megacispo.config import Config, RolloutConfig, max_prompt_tokens
 from megacispo.data import right_padding_mask
 from megacispo.models.config import SOFTMAX, HybridModelConfig
+from megacispo.models.routing import route_dtype
 
 GIB = 2**30
 
@@ -61,6 +68,10 @@ class Samples:
     """[n, S - 1] 1.0 where token t + 1 is a response token."""
     truncated_early: torch.Tensor
     """[n] bool: stopped by early truncation (N consecutive tokens above probability p)."""
+    routes: torch.Tensor
+    """[n, S, L, k] the experts (``route_dtype``) the rollout routed token t to in each of this pipeline
+    stage's L MoE layers; recorded for each sample's prompt and response tokens but its last (never fed
+    back), 0 elsewhere."""
 
     def select(self, rows: torch.Tensor | slice) -> Samples:
         return Samples(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
@@ -192,7 +203,7 @@ def config_rollout_bytes(config: Config) -> int:
     parallel, model = config.parallel, config.model
     pp = parallel.pipeline_model_parallel_size
     per_stage = model.num_layers // pp
-    kv_bytes = torch.finfo(getattr(torch, config.precision.params_dtype)).bits // 8
+    kv_bytes = torch.finfo(getattr(torch, config.rollout.dtype)).bits // 8
     return max(
         rollout_cache_bytes(
             model, range(stage * per_stage, (stage + 1) * per_stage), slots=config.rollout.max_running,
@@ -258,7 +269,7 @@ def generate(
     keys: torch.Tensor,
     response_limits: Sequence[int] | None = None,
     lockstep_group: dist.ProcessGroup | None = None,
-    show_progress: bool = False,
+    progress: tqdm | None = None,
     interrupt: Callable[[], None] | None = None,
 ) -> Samples:
     """Sample one response per prompt (repeat a prompt G times for a group), in prompt order.
@@ -274,6 +285,8 @@ def generate(
     until every one of them has finished.
     ``interrupt``: called before every decode step (so at the same steps on every rank); what it
     raises abandons the rollout (the trainer's SIGTERM check).
+    ``progress``: a bar the finished samples are counted on, its total grown by ``len(prompts)``
+    (the caller owns it: one per RL step on the logging rank); None draws nothing.
     """
     if keys.shape != (len(prompts),):
         raise ValueError(f"keys has shape {tuple(keys.shape)}: pass one key per prompt, [{len(prompts)}]")
@@ -287,10 +300,21 @@ def generate(
     # training mode, and the model switches sequence parallelism off for single-token steps.
     model.eval()
     try:
-        engine = _SlotRollout(model, prompts, config, stop_ids, pad_id, keys, limits, lockstep_group)
-        return engine.run(show_progress, interrupt)
+        with model.generation_dtype(getattr(torch, config.dtype)), model.recording_routes():
+            engine = _SlotRollout(model, prompts, config, stop_ids, pad_id, keys, limits, lockstep_group)
+            return engine.run(progress, interrupt)
     finally:
         model.train(was_training)
+
+
+def _count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
+    """The caller's bar with this rollout's samples added to its total (a step's rollouts, however many
+    rounds dynamic sampling takes, fill one bar), or a bar that draws nothing."""
+    if progress is None:
+        return tqdm(disable=True)
+    progress.total = (progress.total or 0) + num_samples
+    progress.refresh()
+    return progress
 
 
 class _SlotRollout:
@@ -316,6 +340,11 @@ class _SlotRollout:
         self.responses = torch.full((self.num_samples + 1, config.max_new_tokens), pad_id, dtype=torch.long,
                                     device=self.device)
         self.response_logprobs = torch.zeros(0, device=self.device)  # the logits' precision, once known
+        hybrid = model.hybrid_config
+        # Row num_samples is scratch here too; a sample's tokens sit at positions 0 .. prompt + response.
+        self.routes = torch.zeros(
+            (self.num_samples + 1, self.prompt_width + config.max_new_tokens, len(model.decoder.layers),
+             hybrid.moe_router_topk), dtype=route_dtype(hybrid.num_experts), device=self.device)
         self.response_lengths = [0] * self.num_samples
         self.truncated = [False] * self.num_samples
         self.waiting = deque(range(self.num_samples))
@@ -323,7 +352,7 @@ class _SlotRollout:
         self.row_drawn: list[int] = []
         self.row_start: list[int] = []
 
-    def run(self, show_progress: bool, interrupt: Callable[[], None] | None) -> Samples:
+    def run(self, progress: tqdm | None, interrupt: Callable[[], None] | None) -> Samples:
         first = [self.waiting.popleft() for _ in range(self.slots)]
         logits, cache = self._prefill(first, self.prompt_width)
         # fp32 log-probs, fp64 for an fp64 model (the sampler's precision).
@@ -334,7 +363,7 @@ class _SlotRollout:
         self.row_start = [cache.length - len(self.prompts[s]) for s in first]
         self._sync_rows()
         self.confident_run = torch.zeros(len(first), dtype=torch.long, device=self.device)
-        progress = tqdm(total=self.num_samples, desc="rollout", unit="sample", leave=False, disable=not show_progress)
+        progress = _count_samples_on(progress, self.num_samples)
         while True:
             if interrupt is not None:
                 interrupt()
@@ -351,9 +380,9 @@ class _SlotRollout:
                 self._drop_unused(cache)
             step_tokens = torch.where(self.row_sample_t < self.num_samples, tokens, self.pad_id)
             logits, cache = self.model.decode_step(step_tokens, cache, compiled=self.config.compile_decode)
+            self._record_step_routes()
             if any_refill:
                 self._refill(refills, logits, cache)
-        progress.close()
         return self._samples()
 
     def _prefill(self, samples: list[int], width: int):
@@ -363,7 +392,19 @@ class _SlotRollout:
                                  device=self.device)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         attention_mask = torch.arange(width, device=self.device) >= width - lengths[:, None]
-        return self.model.prefill(input_ids, attention_mask)
+        logits, cache = self.model.prefill(input_ids, attention_mask)
+        routes = self.model.last_routes(len(samples), width).to(self.routes.dtype)
+        for row, (sample, prompt) in enumerate(zip(samples, prompts)):
+            self.routes[sample, :len(prompt)] = routes[row, width - len(prompt):]
+        return logits, cache
+
+    def _record_step_routes(self) -> None:
+        """The experts of the token each row just fed (the one it drew last, at position prompt + drawn
+        - 1 of its sample); rows without a sample, or refilled and not yet drawing, write the scratch row."""
+        fed = (self.row_sample_t < self.num_samples) & (self.row_drawn_t > 0)
+        rows = torch.where(fed, self.row_sample_t, self.num_samples)
+        positions = (self.row_prompt_t + self.row_drawn_t - 1).clamp(0, self.routes.shape[1] - 1)
+        self.routes[rows, positions] = self.model.last_routes(len(self.row_sample), 1)[:, 0].to(self.routes.dtype)
 
     def _sync_rows(self) -> None:
         """The per-row device tensors from the host's bookkeeping (after rows finished or were refilled)."""
@@ -372,6 +413,8 @@ class _SlotRollout:
         self.row_drawn_t = torch.tensor(self.row_drawn, dtype=torch.long, device=self.device)
         self.row_limit_t = torch.tensor([self.limits[s] if s >= 0 else 1 for s in self.row_sample],
                                         dtype=torch.long, device=self.device)
+        self.row_prompt_t = torch.tensor([len(self.prompts[s]) if s >= 0 else 0 for s in self.row_sample],
+                                         dtype=torch.long, device=self.device)
         padded_keys = torch.cat([self.keys, self.keys.new_zeros(1)])
         self.row_keys_t = padded_keys[self.row_sample_t]
         self.rows_changed = False
@@ -468,11 +511,11 @@ class _SlotRollout:
         lengths = torch.tensor(self.response_lengths, dtype=torch.long, device=self.device)
         truncated = torch.tensor(self.truncated, dtype=torch.bool, device=self.device)
         return _assemble(self.prompts, self.responses[: self.num_samples], self.response_logprobs[: self.num_samples],
-                         self.response_lengths, lengths, truncated, self.pad_id)
+                         self.response_lengths, lengths, truncated, self.pad_id, self.routes[: self.num_samples])
 
 
 def _assemble(prompts, responses, response_logprobs, lengths: list[int], response_lengths, truncated,
-              pad_id) -> Samples:
+              pad_id, routes: torch.Tensor) -> Samples:
     device = responses.device
     width = max(len(prompt) + r for prompt, r in zip(prompts, lengths))
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
@@ -486,7 +529,8 @@ def _assemble(prompts, responses, response_logprobs, lengths: list[int], respons
         rollout_logprobs[row, p - 1:p - 1 + r] = response_logprobs[row, :r]
         loss_mask[row, p - 1:p - 1 + r] = 1.0
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
-    return Samples(tokens, prompt_lengths, response_lengths, rollout_logprobs, loss_mask, truncated)
+    return Samples(tokens, prompt_lengths, response_lengths, rollout_logprobs, loss_mask, truncated,
+                   routes[:, :width].contiguous())
 
 
 def response_token_ids(samples: Samples, row: int) -> list[int]:

@@ -1,25 +1,26 @@
 """Score token sequences with a checkpoint: per-token log-probabilities of the model.
 
     torchrun --nproc-per-node N -m megacispo.score --load CKPT --tokens in.jsonl --out out.jsonl \
-        [--tp T --pp P --ep E --etp X]
+        [--config X.yaml] [--set parallel.expert_model_parallel_size=E ...] [--dry-run]
 
 Each input line is a JSON object with "tokens": [ids]; the output line is the same object plus
 "logprobs", where logprobs[i] = log p(tokens[i + 1] | tokens[: i + 1]) (length len(tokens) - 1),
 computed in fp32 from the model's vocab-sharded logits with vocab_parallel_logprobs over the TP
 group. --load is a megacispo checkpoint (a step_* directory, or a checkpoints root: its newest
-step) or a Hugging Face directory, checked against its config.json before any process group
-exists, of whose tensors every rank reads its own piece (megacispo.hf_checkpoint.load_hf_weights,
-in the dtype they are stored in). The sequences are split over the data-parallel ranks, one
-sequence per forward; rank 0 writes --out atomically. The forward runs through Megatron's schedule, so --pp > 1 splits the layers into
-stages; --ep spreads the experts over ranks and --etp splits each expert (default: --tp; --etp 1
-keeps experts whole, so that --tp 2 --ep 2 --etp 1 runs on 2 processes). With TP > 1 the model
-runs with sequence parallelism, as megacispo trains it: each sequence is padded at its end to a
-multiple of TP (causal, so earlier positions do not see the padding; the MoE drops no tokens).
+step) or a Hugging Face directory, checked before any process group exists; the model and its
+dtype are the checkpoint's (an HF directory's config.json: a model section of --config that
+contradicts it is an error), and every rank reads its own piece of the weights. The layout is the
+config's parallel section (--config and --set, as for megacispo.train): parallel.*_size splits the
+model as in training, and with TP > 1 the model runs with sequence parallelism, as megacispo trains
+it (each sequence is padded at its end to a multiple of TP: causal, so earlier positions do not see
+the padding; the MoE drops no tokens). The sequences are split over the data-parallel ranks, one
+sequence per forward through Megatron's schedule; rank 0 writes --out atomically.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,26 +30,38 @@ from typing import Any
 
 import torch
 
+from megacispo.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    params_dtype_of,
+    read_meta,
+    resolve_checkpoint,
+)
+from megacispo.cli import bad_input_exits, build_parser, load_run_config
+from megacispo.config import Config
 from megacispo.data import atomic_write_text
 from megacispo.hf_checkpoint import (
     check_hf_checkpoint,
-    hf_model_config,
     hf_params_dtype_name,
     is_hf_directory,
     load_hf_weights,
 )
+from megacispo.models.config import HybridModelConfig, model_shape
+from megacispo.parallel.layout import (
+    ParallelConfig,
+    init_distributed,
+    run_device,
+    validate_layout,
+    world_size_from_env,
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True, help="megacispo checkpoint (step dir or root) or HF directory")
+def score_parser() -> argparse.ArgumentParser:
+    """The entry points' command line (--config, --set, --load, --dry-run) with --tokens and --out."""
+    parser = build_parser(__doc__, load_field="train.load")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--tokens", required=True, help='input JSONL, one {"tokens": [ids]} per line')
     parser.add_argument("--out", required=True, help="output JSONL (each input object plus logprobs)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None,
-                        help="expert tensor-parallel size (default: --tp; 1 keeps every expert whole)")
     return parser
 
 
@@ -81,18 +94,15 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any
     return records
 
 
-def model_config_of(load: str | os.PathLike):
-    """(HybridModelConfig, params dtype name) of --load, read before any process group exists; an HF
-    directory's tensors are checked against its config.json here, before any model is built."""
-    from megacispo.checkpoint import CheckpointError, params_dtype_of, read_meta, resolve_checkpoint
-    from megacispo.models.config import HybridModelConfig
-
+def model_config_of(load: str | os.PathLike, config: Config) -> tuple[HybridModelConfig, str]:
+    """(HybridModelConfig, params dtype name) of --load, read before any process group exists. An HF
+    directory's model is the config's (load_config took it from its config.json), and its tensors are
+    checked against it here; a megacispo checkpoint's is the one its meta.json records."""
     load = Path(load)
     if is_hf_directory(load):
         try:
-            config = hf_model_config(load)
-            check_hf_checkpoint(load, config)
-            return config, hf_params_dtype_name(load)
+            check_hf_checkpoint(load, config.model)
+            return config.model, hf_params_dtype_name(load)
         except ValueError as error:
             raise ValueError(f"--load: {error}") from None
     try:
@@ -105,15 +115,11 @@ def model_config_of(load: str | os.PathLike):
     return HybridModelConfig(**meta["config"]["model"]), params_dtype_of(meta)
 
 
-def parallel_config(args: argparse.Namespace, config, world_size: int):
-    from megacispo.models.config import model_shape
-    from megacispo.parallel.layout import ParallelConfig, validate_layout
-
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep,
-        expert_tensor_parallel_size=args.etp, sequence_parallel=args.tp > 1,
-    )
-    validate_layout(parallel, world_size, model_shape(config))
+def scoring_layout(parallel: ParallelConfig, model: HybridModelConfig, world_size: int) -> ParallelConfig:
+    """The config's layout with sequence parallelism on exactly when TP > 1 (the MoE needs it under TP,
+    as in training), checked against the scored model."""
+    parallel = dataclasses.replace(parallel, sequence_parallel=parallel.tensor_model_parallel_size > 1)
+    validate_layout(parallel, world_size, model_shape(model))
     return parallel
 
 
@@ -121,9 +127,9 @@ def parallel_config(args: argparse.Namespace, config, world_size: int):
 def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | None:
     """[len(tokens) - 1] fp32 log-probs of each next token on the last pipeline stage (None on
     the others), through Megatron's schedule (forward only; 1F1B hands activations between stages)."""
+    # Megatron-Core: imported once a model exists, so that --dry-run and --help import none of it.
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megacispo.parallel.layout import run_device
     from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
 
     device = run_device()
@@ -147,11 +153,12 @@ def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | Non
     return outputs[0]["logprobs"] if outputs else None
 
 
-def score(load: str, out: str, config, parallel, records: list[dict], params_dtype: str) -> None:
+def score(load: str, out: str, config: HybridModelConfig, parallel: ParallelConfig, records: list[dict],
+          params_dtype: str) -> None:
     """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
+    # Megatron-Core: imported once a process group exists, so that --dry-run and --help import none of it.
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import load_checkpoint, resolve_checkpoint
     from megacispo.engine import build_inference_model
 
     model = build_inference_model(config, params_dtype, parallel)
@@ -184,25 +191,38 @@ def score(load: str, out: str, config, parallel, records: list[dict], params_dty
     torch.distributed.barrier()
 
 
+def score_plan(load: str, model: HybridModelConfig, params_dtype: str, parallel: ParallelConfig, world_size: int,
+               num_records: int) -> str:
+    """What a scoring run would do, for --dry-run."""
+    return (f"score: {num_records} sequences with the {model.num_layers}-layer model of {load} ({params_dtype}); "
+            f"layout: world {world_size} = TP {parallel.tensor_model_parallel_size} x PP "
+            f"{parallel.pipeline_model_parallel_size} x DP {parallel.data_parallel_size(world_size)}, EP "
+            f"{parallel.expert_model_parallel_size}, expert TP {parallel.expert_tp}, sequence parallel "
+            f"{parallel.sequence_parallel}")
+
+
 def run(argv: list[str] | None = None) -> None:
     """Parse, validate before any work, score; leaves torch.distributed initialized (the model-parallel
     state is torn down), so that one process can score several times (tests)."""
+    parser = score_parser()
+    args = parser.parse_args(argv)
+    if not args.load:
+        parser.error("--load is required: a megacispo checkpoint or a Hugging Face directory")
+    with bad_input_exits():
+        config, world_size = load_run_config(args), world_size_from_env()
+        model, params_dtype = model_config_of(args.load, config)
+        parallel = scoring_layout(config.parallel, model, world_size)
+        records = read_records(args.tokens, model.vocab_size)
+        if args.dry_run:
+            print(score_plan(args.load, model, params_dtype, parallel, world_size, len(records)))
+            return
+    # After the dry run, which imports no Megatron-Core.
     from megatron.core import parallel_state
 
-    from megacispo.checkpoint import CheckpointError
-    from megacispo.cli import bad_input_exits
-    from megacispo.parallel.layout import init_distributed, world_size_from_env
-
-    args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
-    with bad_input_exits():
-        config, params_dtype = model_config_of(args.load)
-        parallel = parallel_config(args, config, world_size_from_env())
-        records = read_records(args.tokens, config.vocab_size)
     init_distributed(parallel, seed=0)
     try:
         with bad_input_exits(CheckpointError):  # raised on every rank alike
-            score(args.load, args.out, config, parallel, records, params_dtype)
+            score(args.load, args.out, model, parallel, records, params_dtype)
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -1,4 +1,4 @@
-"""The RL loop. One step, as SYSTEM.md draws it:
+"""The RL loop. One step:
 
     prompts -> rollouts (G samples each) -> rewards -> overlong shaping -> group-relative advantages
     -> dynamic sampling -> old log-probs (recomputed by the training engine) -> K mini-batch updates
@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from tqdm import tqdm
 
 from megacispo.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
+from megacispo.async_rollout import RemoteRollouts
 from megacispo.checkpoint import (
     CheckpointError,
     capture_rng,
@@ -40,8 +42,9 @@ from megacispo.evaluation import Evaluator, response_text
 from megacispo.hf_checkpoint import check_start_weights, load_start_weights
 from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
 from megacispo.metrics import MetricsLogger, Timer, moe_load_balance, pearson_correlation
+from megacispo.models.routing import RoutingTargets, disagreement_metrics
 from megacispo.parallel.layout import broadcast_from_last_stage
-from megacispo.rewards import RewardFailureError, get_reward_fn, score_responses
+from megacispo.rewards import RewardFailureError, Scores, get_reward_fn, score_responses
 from megacispo.rollout import Samples, generate, sample_keys
 from megacispo.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
 from megacispo.tokenizer import Tokenizer
@@ -65,12 +68,35 @@ class TrainBatch:
     """[n, S] bool, True after each sequence's end; None: no padding."""
     token_weights: torch.Tensor | None = None
     """[n, S - 1] detached factors of each token's loss (rl.rollout_correction.mode = tis); None: 1."""
+    routes: torch.Tensor | None = None
+    """[n, S, L, k] the experts the rollout routed each token to in this stage's MoE layers (Samples.routes)."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def slice(self, start: int, stop: int) -> TrainBatch:
         return TrainBatch(*(None if value is None else value[start:stop] for value in vars(self).values()))
+
+
+def _pad_positions(values: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, S, ...] -> [n, width, ...], zeros after S."""
+    padding = values.new_zeros(values.shape[0], width - values.shape[1], *values.shape[2:])
+    return torch.cat([values, padding], dim=1)
+
+
+def routing_targets(micro: TrainBatch, *, compare: bool, replay: bool) -> RoutingTargets | None:
+    """What a training forward of ``micro`` does with the rollout's experts (micro.routes): compare them
+    with its routers' own at the response tokens (``compare``: the old-log-prob pass, for
+    mismatch/router_disagreement), replay them (``replay``: rl.routing_replay). None: neither."""
+    if not (compare or replay):
+        return None
+    padding = micro.padding_mask
+    real = torch.ones_like(micro.tokens, dtype=torch.bool) if padding is None else ~padding
+    # The rollout fed back every token of a sequence but its last.
+    recorded = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    # Token t + 1 is a response token where loss_mask[t] is set.
+    response = torch.cat([torch.zeros_like(real[:, :1]), micro.loss_mask != 0], dim=1)
+    return RoutingTargets(micro.routes, recorded, recorded & response if compare else None, replay)
 
 
 @dataclass
@@ -152,7 +178,8 @@ class Trainer:
 
     def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
                  train_records: list[PromptRecord], test_records: list[PromptRecord], logger: MetricsLogger,
-                 prompt_metrics: dict[str, float] | None = None):
+                 prompt_metrics: dict[str, float] | None = None, remote_rollouts: RemoteRollouts | None = None):
+        """remote_rollouts: the rollout processes' samples (placement.rollout_ranks); None: this rank generates."""
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -171,6 +198,8 @@ class Trainer:
         self._stop_requested = False
         self.stopped_by_signal = False
         self._saved_step: int | None = None
+        self.remote_rollouts = remote_rollouts
+        self.rollout_progress: tqdm | None = None
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -181,7 +210,8 @@ class Trainer:
         accuracy = {"before": self._log_evaluation(self.prompt_metrics)}
         while self.step < self.config.train.steps and not self._stop_agreed():
             try:
-                metrics = self.rl_step()
+                with self._step_progress():
+                    metrics = self.rl_step()
             except StepAbandoned:
                 break
             self.step += 1
@@ -197,6 +227,15 @@ class Trainer:
         accuracy["after"] = self._log_evaluation()
         return accuracy
 
+    @contextlib.contextmanager
+    def _step_progress(self):
+        """The step's one progress bar, drawn on the logging rank: every rollout round of the step
+        (dynamic sampling may take several) counts its samples on it; the step's line replaces it."""
+        with tqdm(total=0, desc=f"step {self.step + 1} rollout", unit="sample", leave=False,
+                  disable=not self.logger.enabled) as self.rollout_progress:
+            yield
+        self.rollout_progress = None
+
     def rl_step(self) -> dict[str, float]:
         """One step; StepAbandoned when SIGTERM is agreed before its updates."""
         timer = Timer(self.engine.device)
@@ -210,6 +249,9 @@ class Trainer:
         with timer("update"):
             update_metrics = self.update(batch)
         update_metrics.update(self.expert_load.collect())
+        if self.remote_rollouts is not None:
+            self.remote_rollouts.publish(self.engine.module, self.step + 1)
+            update_metrics.update(self.remote_rollouts.finish_step())
         timings = timer.metrics()
         num_tokens = self._all_reduce_sum(float(batch.loss_mask.sum()))
         timings["perf/tokens_per_s"] = num_tokens / sum(timings.values())
@@ -234,8 +276,12 @@ class Trainer:
         stats = {"rewards": [], "lengths": [], "truncated": 0.0, "failures": 0.0, "first_failure": "", "groups": 0.0,
                  "dropped": 0.0}
         for _ in range(rollout.max_sampling_rounds):
-            records = self.sampler.next_batch(quota * self.dp_size)[self.dp_rank * quota:(self.dp_rank + 1) * quota]
-            samples, rewards = self._sample_and_score(records, stats)
+            if self.remote_rollouts is None:
+                records = self.sampler.next_batch(quota * self.dp_size)[self.dp_rank * quota:(self.dp_rank + 1) * quota]
+                samples, scores = self._sample(records)
+            else:
+                records, samples, scores = self.remote_rollouts.take(self.sampler, self.step, self.dp_rank, quota)
+            rewards = self._shape_rewards(samples, scores, stats)
             advantages = group_relative_advantages(rewards, group_size, eps=self.config.rl.advantage_eps)
             keep = dynamic_sampling_keep_mask(rewards, group_size) if rollout.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
             keep_flags = keep.tolist()  # one copy to the host for all the groups
@@ -252,17 +298,21 @@ class Trainer:
         self._check_reward_health(metrics["rollout/reward_failure_frac"], stats["first_failure"])
         return self._to_train_batch(chosen), metrics
 
-    def _sample_and_score(self, records: list[PromptRecord], stats: dict) -> tuple[Samples, torch.Tensor]:
+    def _sample(self, records: list[PromptRecord]) -> tuple[Samples, Scores]:
+        """This rank's samples of ``records`` and their rewards."""
         rollout = self.config.rollout
         prompts = [prompt_token_ids(self.tokenizer, r) for r in records for _ in range(rollout.group_size)]
         samples = generate(
             self.engine.module, prompts, rollout, stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
             keys=self._sample_keys(len(records)), lockstep_group=self.engine.dp_group,
-            show_progress=self.logger.enabled, interrupt=self._abandon_if_stopped,
+            progress=self.rollout_progress, interrupt=self._abandon_if_stopped,
         )
         texts = [response_text(self.tokenizer, samples, row) for row in range(len(prompts))]
         repeated = [r for r in records for _ in range(rollout.group_size)]
-        scores = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
+        return samples, score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
+
+    def _shape_rewards(self, samples: Samples, scores: Scores, stats: dict) -> torch.Tensor:
+        """The rewards with overlong shaping, counted in ``stats``."""
         rewards = torch.tensor(scores.rewards, dtype=torch.float32, device=self.engine.device)
         stats["rewards"].append(rewards.clone())
         if self.config.rl.overlong_max_length:
@@ -272,7 +322,7 @@ class Trainer:
         stats["truncated"] += float(samples.truncated_early.sum())
         stats["failures"] += scores.num_failures
         stats["first_failure"] = stats["first_failure"] or scores.first_failure
-        return samples, rewards
+        return rewards
 
     def _sample_keys(self, num_prompts: int) -> torch.Tensor:
         """The random streams of this rank's samples of the prompts just drawn: from the seed, the step,
@@ -296,6 +346,7 @@ class Trainer:
             advantages=torch.cat([a for _, a, _ in chosen]),
             rollout_logprobs=torch.cat([pad(s.rollout_logprobs, width - 1, 0.0) for s, _, _ in chosen]),
             padding_mask=torch.cat([s.padding_mask(width) for s, _, _ in chosen]),
+            routes=torch.cat([_pad_positions(s.routes, width) for s, _, _ in chosen]),
         )
 
     def _rollout_metrics(self, stats: dict, chosen) -> dict[str, float]:
@@ -352,8 +403,25 @@ class Trainer:
         response = mask.bool()
         rollout_probs, train_probs = self._gather_over_dp(rollout[response].exp(), old[response].exp())
         metrics["mismatch/train_rollout_prob_corr"] = pearson_correlation(rollout_probs, train_probs)
+        metrics.update(self._router_gap(batch))
         batch.loss_mask, batch.token_weights = correction.loss_mask, correction.token_weights
         return metrics
+
+    def _router_gap(self, batch: TrainBatch) -> dict[str, float]:
+        """mismatch/router_disagreement (overall and per layer) from the old-log-prob forward's counts,
+        added over every rank (each counts its own tokens in its own stage's layers), and the memory
+        the recorded experts take per sample (rollout/routes_bytes_per_sample, all layers)."""
+        counts = self.engine.module.take_route_counts()
+        dist.all_reduce(counts)
+        metrics = disagreement_metrics(counts)
+        real_tokens = self._all_reduce_sum(float((~batch.padding_mask).sum()))
+        per_token = self.config.model.num_layers * batch.routes.shape[-1] * batch.routes.element_size()
+        metrics["rollout/routes_bytes_per_sample"] = real_tokens * per_token / (len(batch) * self.dp_size)
+        return metrics
+
+    def _routing(self, micro: TrainBatch, compare: bool) -> RoutingTargets | None:
+        """The routing of a micro-batch's forward (``routing_targets``) under rl.routing_replay."""
+        return routing_targets(micro, compare=compare, replay=self.config.rl.routing_replay)
 
     # -- training-engine passes ---------------------------------------------------------------------
 
@@ -368,7 +436,8 @@ class Trainer:
         temperature = self.config.rollout.temperature
 
         def forward_step(micro: TrainBatch, model):
-            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask)
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
+                           routing=self._routing(micro, compare=True))
             return hidden, lambda output: (
                 output.sum() * 0,
                 {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask, temperature)[0]})
@@ -400,7 +469,8 @@ class Trainer:
         scale = self.engine.loss_scale_for_schedule(len(micro_batches))
 
         def forward_step(micro: TrainBatch, model):
-            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask)
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
+                           routing=self._routing(micro, compare=False))
 
             def loss_func(output):
                 logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,

@@ -75,6 +75,8 @@ class HybridModelConfig:
     """Longest sequence: bounds prompt plus response at start-up, recorded for conversion (RoPE has no limit)."""
     fp32_lm_head: bool = True
     """Compute the LM head and everything after it in fp32 even when the model runs in bf16."""
+    freeze_router: bool = False
+    """Train without updating the MoE routers' weights (they get requires_grad = False, so no gradient or optimizer state)."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -122,7 +122,13 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
                 padding_mask,
             ), None
 
+        # The recompute in backward routes as this forward did: the same replayed experts (models/routing.py).
+        routes = self.mlp.router.router_replay
+        pinned = routes.pinned() if routes is not None else None
+
         def run(hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin):
+            if pinned is not None:
+                routes.restore(pinned)
             return self._layer(
                 hidden_states, attention_mask, rotary_pos_cos, rotary_pos_sin, packed_seq_params, None, padding_mask
             )

@@ -185,6 +185,11 @@ class SkipEmptySequentialMLP(SequentialMLP):
             self._expert_weights = self._look_up_expert_weights()
         return self._expert_weights
 
+    def forget_expert_weights(self) -> None:
+        """Look the weights up again at the next call: HybridModel.generation_dtype puts other tensors in
+        the experts' places for a rollout, and back."""
+        self._expert_weights = None
+
     def _look_up_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         experts = self.local_experts
         return [expert.linear_fc1.weight for expert in experts], [expert.linear_fc2.weight for expert in experts]
@@ -208,7 +213,8 @@ class InProcessMoELayer(MoELayer):
         )
         # What ``_route_tokens`` reproduces of TopKRouter: the softmax over the top-k logits
         # (topk_routing_with_score_function without pre-softmax, groups or fusion), no input jitter,
-        # no bias, no replay; its z-loss, aux losses and expert-bias counts only act under autograd.
+        # no bias, no Megatron replay (HybridModel attaches its own routing hook after this check;
+        # ``step`` records through it); its z-loss, aux losses and expert-bias counts only act under autograd.
         self._plain_topk_router = (
             config.moe_router_score_function == "softmax"
             and not config.moe_router_pre_softmax
@@ -250,6 +256,9 @@ class InProcessMoELayer(MoELayer):
             output, _ = self.forward(hidden[None])
             return output[0]
         probs, top_experts = self._route_tokens(hidden)  # [b, k] each
+        routes = self.router.router_replay  # models/routing.py's hook, attached by HybridModel
+        if routes is not None:
+            routes.record_step(top_experts)
         fc1_weights, fc2_weights = self.experts.expert_weights()
         return torch.ops.megacispo.decode_experts(hidden, probs, top_experts, fc1_weights, fc2_weights)
 

@@ -45,7 +45,9 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
+from megacispo.models.experts import SkipEmptySequentialMLP
 from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32
+from megacispo.models.routing import LayerRoutes, RoutingTargets, local_targets
 from megacispo.parallel.layout import broadcast_from_last_stage
 
 
@@ -113,6 +115,10 @@ class HybridModel(LanguageModule):
             and not config.fp32_residual_connection
         )
         self._compiled_lean = None
+        # Attached after the MoE layers are built: InProcessMoELayer's lean step takes a router
+        # without Megatron's own replay, and this hook changes nothing until targets are set.
+        for layer in self.decoder.layers:
+            layer.mlp.router.router_replay = LayerRoutes(layer.layer_number - 1)
 
     def set_input_tensor(self, input_tensor) -> None:
         """The previous pipeline stage's output (called by Megatron's schedules)."""
@@ -132,6 +138,7 @@ class HybridModel(LanguageModule):
         return_hidden_states: bool = False,
         inference_context: InferenceCache | None = None,
         padding_mask: torch.Tensor | None = None,
+        routing: RoutingTargets | None = None,
         **unused,
     ) -> torch.Tensor:
         """input_ids [b, s]; position_ids [b, s] (default 0..s-1, or per document when packed);
@@ -148,7 +155,9 @@ class HybridModel(LanguageModule):
         sequence parallelism), for a fused LM-head loss: parallel.vocab_parallel.lm_head_input
         maps them like ColumnParallelLinear maps its input, then lm_head_logprobs multiplies by
         this rank's vocab shard ``lm_head_weight``. Earlier stages return the hidden states
-        [s(/TP), b, H] for the next stage.
+        [s(/TP), b, H] for the next stage. routing: the rollout's expert choices of this stage's
+        layers, compared with the routers' own (``take_route_counts``) and replayed as it says
+        (models/routing.py); None: the routers choose freely.
         """
         seq_len = input_ids.shape[1]
         if position_ids is None:
@@ -157,6 +166,7 @@ class HybridModel(LanguageModule):
             attention_mask = attention_mask.bool()
         if padding_mask is not None:
             padding_mask = self._local_padding_mask(padding_mask, input_ids)
+        self._set_routing(routing)
         hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
         cos = sin = None
         if self._has_softmax_layers:
@@ -190,6 +200,102 @@ class HybridModel(LanguageModule):
         return tensor_parallel.scatter_to_sequence_parallel_region(
             padding_mask.T.contiguous(), group=self.pg_collection.tp
         ).T
+
+    def _layer_routes(self) -> list[LayerRoutes]:
+        return [layer.mlp.router.router_replay for layer in self.decoder.layers]
+
+    def _set_routing(self, routing: RoutingTargets | None) -> None:
+        """Each layer's targets for this forward, in its router's token order ([s(/TP), b] flattened)."""
+        if routing is None:
+            for routes in self._layer_routes():
+                routes.set_targets(None, None, None, False)
+            return
+        layers = len(self.decoder.layers)
+        if routing.experts.dim() != 4 or routing.experts.shape[2] != layers:
+            raise ValueError(
+                f"routing.experts has shape {tuple(routing.experts.shape)}: pass [b, S, {layers}, top-k], the "
+                "rollout's experts of this pipeline stage's MoE layers"
+            )
+        sp_rank = self.pg_collection.tp.rank() if self.config.sequence_parallel else None
+        tp_size = self.pg_collection.tp.size()
+        experts = local_targets(routing.experts, sp_rank, tp_size).long()  # [T, L, k]
+        recorded = local_targets(routing.recorded, sp_rank, tp_size)
+        compare = None if routing.compare is None else local_targets(routing.compare, sp_rank, tp_size)
+        for index, routes in enumerate(self._layer_routes()):
+            routes.set_targets(experts[:, index], recorded, compare, routing.replay)
+
+    def take_route_counts(self) -> torch.Tensor:
+        """float64 [num_layers, 2]: per global layer, the compared tokens whose router chose other
+        experts than the rollout and the tokens compared, since the last call (zeros for the layers
+        of other pipeline stages; add over all ranks)."""
+        device = self.decoder.layers[0].mlp.router.weight.device
+        counts = torch.zeros(self.hybrid_config.num_layers, 2, dtype=torch.float64, device=device)
+        for routes in self._layer_routes():
+            taken = routes.take_counts()
+            if taken is not None:
+                counts[routes.layer_index] = taken
+        return counts
+
+    @contextlib.contextmanager
+    def recording_routes(self) -> Iterator[None]:
+        """Within it, each routing (prefill, decode step) keeps its experts for ``last_routes``."""
+        routes = self._layer_routes()
+        for layer_routes in routes:
+            layer_routes.recording = True
+        try:
+            yield
+        finally:
+            for layer_routes in routes:
+                layer_routes.recording, layer_routes.recorded = False, None
+
+    def last_routes(self, batch: int, length: int) -> torch.Tensor:
+        """[batch, length, L_stage, k] int64: the experts of the last forward's [batch, length] tokens
+        in each MoE layer of this stage (``recording_routes``)."""
+        recorded = [routes.recorded.view(length, batch, -1) for routes in self._layer_routes()]
+        return torch.stack(recorded, dim=2).transpose(0, 1)
+
+    @contextlib.contextmanager
+    def generation_dtype(self, dtype: torch.dtype) -> Iterator[None]:
+        """Run the model in ``dtype`` within the block (rollout.dtype): every parameter is replaced by a
+        copy in ``dtype``, except the LM head's with fp32_lm_head (the head computes in fp32 from its
+        own weight, as in training); the parameters are put back on exit, untouched. float32 means at
+        least fp32: an fp64 model (the tests' exact references) stays fp64.
+
+        A copy of the weights rather than autocast: the whole forward (residual stream, norms, KV
+        cache, expert and router inputs) then runs in that precision as an inference engine does, not
+        only autocast's matmuls, and the cast happens once per rollout (after the optimizer step that
+        changed the weights). It costs the copy while generating: 2 bytes a parameter of this stage
+        for bfloat16 beside fp32 weights, nothing when ``dtype`` is the weights' own. The copies take
+        the parameters' places in their modules; the Parameter objects themselves are not touched
+        (changing a parameter's dtype in place would drop the gradient hooks Megatron's DDP put on it).
+        """
+        keep = {id(self.output_layer.weight)} if self.post_process and self.hybrid_config.fp32_lm_head else set()
+
+        def target(param: torch.Tensor) -> torch.dtype:
+            return torch.promote_types(param.dtype, dtype) if dtype == torch.float32 else dtype
+
+        swapped = [
+            (module, name, param)
+            for module in self.modules()
+            for name, param in module._parameters.items()
+            if param is not None and id(param) not in keep and target(param) != param.dtype
+        ]
+        self._forget_expert_weights()
+        for module, name, param in swapped:
+            copy = torch.nn.Parameter(param.detach().to(target(param)), requires_grad=False)
+            copy.__dict__.update(param.__dict__)  # Megatron's attributes (tensor_model_parallel, ...)
+            module._parameters[name] = copy
+        try:
+            yield
+        finally:
+            for module, name, param in swapped:
+                module._parameters[name] = param
+            self._forget_expert_weights()
+
+    def _forget_expert_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, SkipEmptySequentialMLP):
+                module.forget_expert_weights()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -179,8 +180,6 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> torch.device:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            from megacispo.parallel.multiprocess import find_free_port
-
             os.environ["MASTER_PORT"] = str(find_free_port())
         torch.distributed.init_process_group(
             backend="nccl" if use_cuda else "gloo",
@@ -195,6 +194,13 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> torch.device:
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return run_device()
+
+
+def find_free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def bind_missing_te_names() -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megacispo.checkpoint import checkpoint_dir, find_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 from megacispo.parallel.sharded import TensorPiece, assemble
 
 SEQ_LEN = 16

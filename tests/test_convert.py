@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -266,13 +266,13 @@ def _score_all(root: str) -> None:
     root = Path(root)
     tokens = str(root / "tokens.jsonl")
     score.run(["--load", str(root / "ckpt_legacy"), "--tokens", tokens, "--out", str(root / "scored_ep2.jsonl"),
-               "--ep", "2"])
+               "--set", "parallel.expert_model_parallel_size=2"])
     score.run(["--load", str(root / "ckpt_fused" / "step_00000000"), "--tokens", tokens,
                "--out", str(root / "scored_dp2.jsonl")])
     score.run(["--load", str(root / "hf_legacy"), "--tokens", tokens, "--out", str(root / "scored_tp2.jsonl"),
-               "--tp", "2"])
+               "--set", "parallel.tensor_model_parallel_size=2"])
     score.run(["--load", str(root / "ckpt_legacy"), "--tokens", tokens, "--out", str(root / "scored_pp2.jsonl"),
-               "--pp", "2"])
+               "--set", "parallel.pipeline_model_parallel_size=2"])
 
 
 @pytest.fixture(scope="module")
@@ -297,8 +297,8 @@ def test_scores_equal_transformers(workspace, scored, layout):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--pp", "3"], r"pipeline_model_parallel_size = 1 \* 3"),
-    (["--tp", "3"], r"pipeline_model_parallel_size = 3 \* 1"),
+    (["--set", "parallel.pipeline_model_parallel_size=3"], r"pipeline_model_parallel_size = 1 \* 3"),
+    (["--set", "parallel.tensor_model_parallel_size=3"], r"pipeline_model_parallel_size = 3 \* 1"),
 ])
 def test_score_refuses_bad_layout_before_work(workspace, converted, args, message):
     from megacispo import score

@@ -9,7 +9,7 @@ from unittest import mock
 
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 
 def _code_constants(code) -> set:
@@ -198,7 +198,7 @@ def test_nothing_is_patched_when_cuda_is_present():
 def test_upstream_change_fails_loudly():
     from megacispo.parallel.cpu import megatron as cpu_backend
 
-    patch = cpu_backend.SourcePatch("megacispo.parallel.multiprocess", "find_free_port",
+    patch = cpu_backend.SourcePatch("megacispo.parallel.layout", "find_free_port",
                                     (("device='cuda'", "device='cpu'"),), "test")
     try:
         cpu_backend.apply_source_patch(patch)

@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from device_guard import DeviceMismatch, host_memory_guard
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 # This module's own calls are in the guard's scope too: the planted mistakes are made here.
 SCOPE = ("megacispo", __name__)

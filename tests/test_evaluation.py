@@ -31,7 +31,7 @@ from megacispo.evaluation import (
     pass_at_k,
     pass_at_k_values,
 )
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_SAMPLES = 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 # Largest difference relative to the values' scale (at least 1): the two sides' products may take
 # different kernels (parallel/cpu/csrc/cpu_gemm.cpp picks by the number of rows), the same sums in

@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megacispo.checkpoint import CheckpointError, complete_checkpoints, find_checkpoints, verify_checkpoint
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

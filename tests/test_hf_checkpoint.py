@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

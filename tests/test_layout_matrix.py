@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 from megacispo.parallel.sharded import assemble
 
 REPO = Path(__file__).parent.parent
@@ -71,8 +71,7 @@ class Layout:
         return [f"parallel.{key}={value}" for key, value in fields.items()]
 
     def score_args(self) -> list[str]:
-        args = ["--tp", str(self.tp), "--pp", str(self.pp), "--ep", str(self.ep)]
-        return args + (["--etp", str(self.etp)] if self.etp is not None else [])
+        return [arg for override in self.config_overrides() for arg in ("--set", override)]
 
 
 SINGLE_PROCESS = Layout(world_size=1)

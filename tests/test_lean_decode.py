@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 # Odd lengths, one across the tiny model's lightning block of 16.
 PROMPT_LENGTHS = (7, 19, 3)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megacispo.losses import compute_global_counts, compute_policy_loss, policy_loss_names, reduce_metrics
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 WORLD_SIZE = 2
 BATCH, SEQ = 8, 9

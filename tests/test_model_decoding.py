@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 # The tiny model's lightning block is 16: prompts within one block and across two. Whole sequences
 # have even lengths, so that TP = 2 with sequence parallelism can run them in one forward.

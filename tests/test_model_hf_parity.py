@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

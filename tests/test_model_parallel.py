@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 from megacispo.parallel.sharded import assemble
 from parallel_case import assert_close_by_key, forward_backward, global_loss
 

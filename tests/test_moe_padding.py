@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 LENGTHS = (16, 11, 5)  # real tokens of each row; the rest of the 16 is padding
 

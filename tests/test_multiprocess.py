@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 MARKER = "MEGACISPO_TEST_MARKER"
 

@@ -9,7 +9,7 @@ import torch
 
 from megacispo.models.config import model_config, model_shape, parameter_breakdown, parameter_counts
 from megacispo.parallel.layout import ParallelConfig, validate_layout
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 from tool_modules import load_tool
 

@@ -25,7 +25,7 @@ from megacispo.models.config import (
     precision_kwargs,
     recompute_kwargs,
 )
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TE_MISSING = not te_specs.transformer_engine_installed()

@@ -1,12 +1,15 @@
 """Sampling and the rollout bookkeeping on hand-made distributions (the model's own decoding is
 tested in test_model_decoding.py; here a scripted policy makes every case exact)."""
 
+import contextlib
 import math
+import types
 
 import pytest
 import torch
 
 from megacispo.config import RolloutConfig
+from megacispo.models.config import model_config
 from megacispo.models.layers import InferenceCache
 from megacispo.rollout import generate, response_token_ids, sample_keys, sample_tokens
 
@@ -21,6 +24,18 @@ class ScriptedPolicy(torch.nn.Module):
         super().__init__()
         self.script = torch.tensor(script)
         self.calls = 0
+        # No MoE layers: the rollout records [n, S, 0, top-k] experts.
+        self.hybrid_config = model_config("tiny")
+        self.decoder = types.SimpleNamespace(layers=[])
+
+    def generation_dtype(self, dtype):
+        return contextlib.nullcontext()
+
+    def recording_routes(self):
+        return contextlib.nullcontext()
+
+    def last_routes(self, batch, length):
+        return torch.zeros(batch, length, 0, self.hybrid_config.moe_router_topk, dtype=torch.long)
 
     def prefill(self, input_ids, attention_mask):
         self.calls = 0

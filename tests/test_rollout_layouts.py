@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 # Prompts of several lengths (one across the tiny model's lightning block of 16), longer than
 # max_new_tokens so that a layout's error would have many tokens in which to show.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 PROMPT_LENGTHS = (3, 9, 20, 5, 11, 2)
 LIMITS = (12, 3, 7, 1, 10, 5)

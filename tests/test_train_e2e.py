@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 REPO = Path(__file__).parent.parent
 LR = 3e-3
@@ -28,7 +28,8 @@ EXPECTED_METRICS = [
     "advantage/abs_mean", "rollout/response_length_mean", "rollout/response_length_max",
     "rollout/dynamic_sampling_dropped_frac", "mismatch/train_rollout_prob_corr", "mismatch/k3_kl",
     "mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_max", "mismatch/ratio_out_of_range",
-    "mismatch/correction_masked_frac", "perf/grad_norm", "perf/lr",
+    "mismatch/correction_masked_frac", "mismatch/router_disagreement", "mismatch/router_disagreement_layer0",
+    "rollout/routes_bytes_per_sample", "perf/grad_norm", "perf/lr",
     "perf/tokens_per_s", "perf/time_rollout_s", "perf/time_old_logprobs_s", "perf/time_update_s", "eval/accuracy",
     "moe/load_max_over_mean", "moe/load_max_over_mean_layer0",
 ]

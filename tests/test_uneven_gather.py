@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 
 SPLIT_SIZES = [3, 0, 5]  # rows of each rank: rank 1 routed no token to this expert-TP group
 TRAILING_SHAPES = [(4,), ()]  # hidden states [n, H] and routing probabilities [n]
@@ -122,6 +122,14 @@ def _score(argv: list[str]) -> int:
     return main(argv)
 
 
+def _score_settings(layout_args: list[str]) -> list[str]:
+    """The converter's layout flags (--tp 2 --ep 2) as megacispo.score's --set parallel.* settings."""
+    fields = {"--tp": "tensor_model_parallel_size", "--pp": "pipeline_model_parallel_size",
+              "--ep": "expert_model_parallel_size", "--etp": "expert_tensor_parallel_size"}
+    return [arg for flag, value in zip(layout_args[::2], layout_args[1::2])
+            for arg in ("--set", f"parallel.{fields[flag]}={value}")]
+
+
 def convert_and_score(root: Path, layout_args: list[str], world_size: int) -> tuple[Path, list[torch.Tensor]]:
     """``tools/convert_checkpoint.py hf-to-megatron`` of ``root/hf`` with ``layout_args``, then
     ``torchrun --nproc-per-node world_size -m megacispo.score`` of it at that layout: the checkpoint
@@ -131,7 +139,7 @@ def convert_and_score(root: Path, layout_args: list[str], world_size: int) -> tu
     run_distributed(_convert, 1, ["hf-to-megatron", "--hf-dir", str(root / "hf"), "--out", str(checkpoint),
                                   "--no-progress", *layout_args])
     run_distributed(_score, world_size, ["--load", str(checkpoint), "--tokens", str(root / "tokens.jsonl"),
-                                         "--out", str(out), *layout_args])
+                                         "--out", str(out), *_score_settings(layout_args)])
     logprobs = [torch.tensor(json.loads(line)["logprobs"], dtype=torch.float64) for line in out.read_text().splitlines()]
     return checkpoint, logprobs
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megacispo.parallel import vocab_parallel
-from megacispo.parallel.multiprocess import run_distributed
+from multiprocess_harness import run_distributed
 from megacispo.parallel.vocab_parallel import (
     LOGITS_TILE_BYTES,
     MIN_VOCAB_CHUNK,

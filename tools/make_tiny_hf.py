@@ -22,6 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import MiniMaxConfig, MiniMaxForCausalLM, PreTrainedTokenizerFast
+
 from megacispo.data import atomic_save_pretrained, atomic_write_bytes
 
 EOS_TOKEN = "<|endoftext|>"
@@ -67,9 +73,6 @@ def build_tokenizer(
     Special tokens: EOS <|endoftext|>, <|im_start|>, <|im_end|> (the end of a turn), then the pad and
     BOS tokens when given (pad_token=None leaves the tokenizer without one, as many chat tokenizers are).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     specials = [EOS_TOKEN, TURN_START, TURN_END] + [t for t in (pad_token, bos_token) if t is not None]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -92,9 +95,6 @@ def build_model(
 ) -> Path:
     """Save a randomly initialised ``transformers.MiniMaxForCausalLM`` (the tiny shape of
     tests/test_model_hf_parity.py) to ``out_dir``; ``vocab_size`` must be at least the tokenizer's."""
-    import torch
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
-
     if num_layers % 8:
         raise ValueError(f"num_layers={num_layers}: megacispo's layer pattern LLLLLLLS needs a multiple of 8")
     config = MiniMaxConfig(
@@ -115,9 +115,6 @@ def build_model(
 def write_math_parquet(path: str | os.PathLike, problems: Sequence[tuple[str, str]], split: str = "train") -> Path:
     """Write (question, answer) pairs as a verl-layout Parquet file: data_source, prompt (one user
     message), ability, reward_model {"style": "rule", "ground_truth": answer}, extra_info."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rows: list[dict[str, Any]] = [
         {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": question}], "ability": "math",
          "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": split, "index": index}}

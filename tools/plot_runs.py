@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from megacispo.metrics import TENSORBOARD_DIR, read_scalars
+
 Series = list[tuple[int, float]]
 """One scalar of one run: (step, value) in logged order."""
 
@@ -88,8 +90,6 @@ def group_runs(run_dirs: Sequence[Path], pattern: str = DEFAULT_GROUP_REGEX) -> 
 def load_run(run_dir: Path, required_tags: Sequence[str]) -> dict[str, Series]:
     """A run's scalars (megacispo.metrics.read_scalars); ValueError naming the directory if it has
     no TensorBoard events or lacks one of ``required_tags``."""
-    from megacispo.metrics import TENSORBOARD_DIR, read_scalars
-
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the train.run_dir of a finished run")
     scalars = read_scalars(run_dir)
@@ -234,7 +234,7 @@ def aggregate_over_runs(series_per_run: Sequence[Series]) -> tuple[list[int], li
 
 def plot_runs(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], out: Path, title: str = "") -> None:
     """One panel per tag, each group's mean over its runs with the min-max band, into a PNG."""
-    import matplotlib
+    import matplotlib  # optional: the plot extra (pip install -e .[plot])
 
     matplotlib.use("Agg")  # no display: write files only
     import matplotlib.pyplot as plt

@@ -1,7 +1,7 @@
 """Run a function in N real processes on one machine, the way torchrun would, and collect the results.
 
-Used by the tests (every parallel feature is compared with the single-process result in real gloo
-processes) and by the CPU benchmarks. Each worker sees torchrun's environment (RANK, WORLD_SIZE,
+A test harness: the tests compare every parallel feature with the single-process result in real gloo
+processes, and the CPU benchmarks measure in fresh processes with it (they put tests/ on sys.path). Each worker sees torchrun's environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so the function under test starts distributed exactly as
 an entry point does. A worker that raises fails the whole run with that rank's traceback; a run
 that does not finish in time is killed, never left hanging.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -25,18 +24,13 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from megacispo.parallel.layout import find_free_port
+
 # What the forkserver imports before forking the first worker; a module missing here is imported by
 # the workers that need it, as before.
 _PRELOAD = ["megatron.core", "megacispo.trainer"]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(_PRELOAD)
-
-
-def find_free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, environment: dict[str, str], fn: Callable, args: tuple,
