@@ -3,6 +3,8 @@ own: samples per second and held-out accuracy after the same number of samples, 
 
 - colocated: today's path, 2 processes at EP = 2, each generating half of every round and then training
   on it (rollout.max_staleness = 0);
+- colocated_ep1: the same at EP = 1 (2 whole-model data-parallel replicas): the colocated layout
+  without the experts' all-to-all;
 - placed: 1 training process + 1 rollout process (placement.rollout_ranks = 1, EP = 1), the rollout
   process generating round n + 1 with the weights of step n - 1 while step n trains
   (rollout.max_staleness = 1);
@@ -16,7 +18,8 @@ placed run cannot overlap) are left out; the held-out accuracy is the greedy acc
 start's 200 test prompts after the last step. CPU seconds: all the run's processes, start-up
 included. The machine's load average is printed with every run: other jobs on it slow both sides.
 
-    .venv/bin/python benchmarks/async_rollout.py [--steps 8] [--seeds 0 1 2] [--modes colocated placed placed_sync]
+    .venv/bin/python benchmarks/async_rollout.py [--steps 8] [--seeds 0 1 2]
+        [--modes colocated colocated_ep1 placed placed_sync]
         [--out runs/async_rollout]
 """
 
@@ -40,6 +43,7 @@ CONFIG = "examples/configs/quickstart_cpu.yaml"
 SFT_CHECKPOINTS = "runs/quickstart/sft/checkpoints"
 MODES = {
     "colocated": ["parallel.expert_model_parallel_size=2"],
+    "colocated_ep1": ["parallel.expert_model_parallel_size=1"],
     "placed": ["parallel.expert_model_parallel_size=1", "placement.rollout_ranks=1", "rollout.max_staleness=1"],
     "placed_sync": ["parallel.expert_model_parallel_size=1", "placement.rollout_ranks=1", "rollout.max_staleness=0"],
 }

@@ -145,7 +145,7 @@ def test_sigterm_stops_both_sides_after_the_step_in_flight(task_files, tmp_path)
         launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
-            while not re.search(r"^step 1 ", log.read_text(), re.MULTILINE):
+            while not re.search(r"^step 1 \| ", log.read_text(), re.MULTILINE):
                 assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
             for worker in psutil.Process(launcher.pid).children():

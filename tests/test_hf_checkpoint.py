@@ -199,7 +199,8 @@ def trained(tiny_hf):
     run_distributed(_train, 2, _train_overrides(tiny_hf, run_dir, tiny_hf / "hf", export), timeout_s=600)
     (tiny_hf / "tokens.jsonl").write_text("".join(json.dumps({"tokens": t}) + "\n" for t in SCORED))
     run_distributed(_score, 2, ["--load", str(run_dir / "checkpoints"), "--tokens", str(tiny_hf / "tokens.jsonl"),
-                                "--out", str(tiny_hf / "scored.jsonl"), "--ep", "2"], timeout_s=300)
+                                "--out", str(tiny_hf / "scored.jsonl"), "--set", "parallel.expert_model_parallel_size=2"],
+                    timeout_s=300)
     return {"run_dir": run_dir, "export": export, "scored": tiny_hf / "scored.jsonl"}
 
 
