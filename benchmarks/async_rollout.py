@@ -66,7 +66,7 @@ def run(mode: str, seed: int, steps: int, out: Path) -> dict[str, float]:
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True) as process:
         for line in process.stdout:
-            step = re.match(r"step (\d+) ", line)
+            step = re.match(r"step (\d+) \| ", line)  # the step's console line, not its progress bar
             if step:
                 step_times[int(step.group(1))] = time.monotonic()
     if process.returncode:

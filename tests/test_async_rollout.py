@@ -120,7 +120,7 @@ def test_synchronous_placed_run_trains_on_policy(task_files, tmp_path):
                                                                                        "step_00000002"]
 
 
-@pytest.mark.slow  # about 40 s: two placed runs
+@pytest.mark.slow  # 15-40 s (two placed runs, on a quiet or a loaded machine)
 def test_resume_sends_the_checkpoints_weights_first(task_files, tmp_path):
     """Resumed after step 2, the rollout process generates step 3's round with the weights of step 2
     (staleness 0: the round in flight at the checkpoint is asked for again), not with its fresh weights."""
@@ -134,7 +134,7 @@ def test_resume_sends_the_checkpoints_weights_first(task_files, tmp_path):
     assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
 
 
-@pytest.mark.slow  # about 30 s under torchrun
+@pytest.mark.slow  # 12-35 s under torchrun
 def test_sigterm_stops_both_sides_after_the_step_in_flight(task_files, tmp_path):
     log = tmp_path / "train.log"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
