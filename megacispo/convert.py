@@ -933,24 +933,31 @@ def load_single_process(ckpt: str | os.PathLike):
     return model, config, meta
 
 
-def full_tensors(model) -> dict[str, torch.Tensor]:
-    """The single-process model's tensors under our checkpoint keys (experts stacked [E, ...])."""
-
-    tensors: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for key, tensor in model.state_dict().items():
-        if key.endswith("_extra_state"):
+def parameter_slots(model: torch.nn.Module) -> dict[str, list[tuple[int | None, torch.Tensor]]]:
+    """The tensors of a whole (TP = PP = EP = 1) model under the layout-independent checkpoint keys:
+    each key's tensor, or for the stacked expert keys ([E, ...]) each expert's index and tensor. The
+    tensors are the model's own (``keep_vars``): writing into them writes the model."""
+    slots: dict[str, list[tuple[int | None, torch.Tensor]]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
             continue
-        if ".mlp.experts.local_experts." in key:
-            prefix, rest = key.split(".mlp.experts.local_experts.")
+        if ".mlp.experts.local_experts." in name:
+            prefix, rest = name.split(".mlp.experts.local_experts.")
             expert, fc = rest.split(".", 1)
             stacked = EXPERT_FC1_KEY if fc.startswith("linear_fc1") else EXPERT_FC2_KEY
-            experts.setdefault(f"{prefix}.{stacked}", {})[int(expert)] = tensor
+            slots.setdefault(f"{prefix}.{stacked}", []).append((int(expert), tensor))
         else:
-            tensors[key] = tensor
-    for key, by_expert in experts.items():
-        tensors[key] = torch.stack([by_expert[e] for e in sorted(by_expert)])
-    return tensors
+            slots[name] = [(None, tensor)]
+    return slots
+
+
+def full_tensors(model) -> dict[str, torch.Tensor]:
+    """The single-process model's tensors under our checkpoint keys (experts stacked [E, ...])."""
+    return {
+        key: pieces[0][1].detach() if pieces[0][0] is None
+        else torch.stack([tensor.detach() for _, tensor in sorted(pieces, key=lambda piece: piece[0])])
+        for key, pieces in parameter_slots(model).items()
+    }
 
 
 if __name__ == "__main__":

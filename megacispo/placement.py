@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megacispo.config import Config
+from megacispo.convert import parameter_slots
 
 _TRAINING, _ROLLOUT, _BRIDGE = "megacispo/training", "megacispo/rollout", "megacispo/bridge"
 
@@ -240,26 +241,6 @@ def receive_weights(model: torch.nn.Module, bridge: Bridge, header: WeightsHeade
                 offset += _numel(shape)
                 for expert, target in slots[key]:
                     target.copy_(full if expert is None else full[expert])
-
-
-def parameter_slots(model: torch.nn.Module) -> dict[str, list[tuple[int | None, torch.Tensor]]]:
-    """The tensors of a whole (TP = PP = EP = 1) model under the layout-independent checkpoint keys:
-    each key's tensor, or for the stacked expert keys ([E, ...], as ``convert.full_tensors`` stacks
-    them) each expert's index and tensor."""
-    from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY
-
-    slots: dict[str, list[tuple[int | None, torch.Tensor]]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state"):
-            continue
-        if ".mlp.experts.local_experts." in name:
-            prefix, rest = name.split(".mlp.experts.local_experts.")
-            expert, fc = rest.split(".", 1)
-            stacked = EXPERT_FC1_KEY if fc.startswith("linear_fc1") else EXPERT_FC2_KEY
-            slots.setdefault(f"{prefix}.{stacked}", []).append((int(expert), tensor))
-        else:
-            slots[name] = [(None, tensor)]
-    return slots
 
 
 def _dtypes(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[torch.dtype]:
