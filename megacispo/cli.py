@@ -23,7 +23,7 @@ from megacispo.tokenizer import Tokenizer
 
 def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
     """The shared command line; ``--load`` sets ``load_field`` (train.load for RL, sft.load for SFT)."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (examples/configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted override, e.g. --set rl.loss.params.eps_high=4.0 (repeatable)")

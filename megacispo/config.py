@@ -115,6 +115,22 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(kw_only=True)
+class AdaptiveClipConfig:
+    """Clip bounds that follow a target capped fraction (megacispo.adaptive_clip); off unless target_capped_frac is set."""
+
+    target_capped_frac: float | None = None
+    """The fraction of loss tokens whose weight may hit the upper bound, over all ranks (null: off, the bounds stay fixed)."""
+    rate: float = 0.05
+    """After each optimizer step the bound is multiplied (more capped than the target) or divided (fewer) by 1 + rate."""
+    min: float = 0.01
+    """The smallest an adapted bound (eps_high, eps_low) gets."""
+    max: float = 10.0
+    """The largest an adapted bound gets."""
+    adapt_low: bool = False
+    """Also move eps_low so that loss/clip_frac_low tracks the target (losses with separate eps_low and eps_high)."""
+
+
+@dataclass(kw_only=True)
 class RLConfig:
     """The CISPO recipe around the loss."""
 
@@ -142,6 +158,8 @@ class RLConfig:
     """Importance-sampling correction between rollout and training probabilities."""
     routing_replay: bool = False
     """R3: route every token to the experts the rollout chose, in the old-log-prob and update forwards."""
+    adaptive_clip: AdaptiveClipConfig = field(default_factory=AdaptiveClipConfig)
+    """Adapt the loss's clip bounds to a target capped fraction."""
 
 
 @dataclass(kw_only=True)
@@ -516,6 +534,9 @@ _RANGES: dict[str, _Range] = {
     "rl.advantage_eps": _AT_LEAST_0,
     "rl.rollout_correction.threshold_low": _FRACTION,
     "rl.rollout_correction.threshold_high": _Range(1),
+    "rl.adaptive_clip.rate": _Range(0, 1, low_open=True),
+    "rl.adaptive_clip.min": _POSITIVE,
+    "rl.adaptive_clip.max": _POSITIVE,
     "optimizer.lr": _POSITIVE,
     "optimizer.min_lr": _AT_LEAST_0,
     "optimizer.warmup_steps": _AT_LEAST_0,
@@ -557,6 +578,7 @@ def validate_config(config: Config) -> None:
             raise ValueError(f"{name} = {value!r}: it must be {allowed}")
     _check_choices(config)
     _check_cross_fields(config)
+    _check_adaptive_clip(config)
     _check_placement(config)
     _check_lengths(config)
     _check_compile_decode(config)
@@ -608,6 +630,38 @@ def _check_cross_fields(config: Config) -> None:
             f"rl.overlong_cache_length = {rl.overlong_cache_length} exceeds rl.overlong_max_length = "
             f"{rl.overlong_max_length}: the ramp must fit below the limit"
         )
+
+
+def _check_adaptive_clip(config: Config) -> None:
+    """rl.adaptive_clip, when on: a target in (0, 1), a non-empty range holding the loss's starting
+    bounds, and a loss with the bounds it moves (after _check_choices completed rl.loss.params)."""
+    from megacispo.adaptive_clip import bound_params
+
+    settings, loss = config.rl.adaptive_clip, config.rl.loss
+    target = settings.target_capped_frac
+    if target is None:
+        return
+    if not 0 < target < 1:
+        raise ValueError(f"rl.adaptive_clip.target_capped_frac = {target!r}: it must be in (0, 1), e.g. 0.01, or "
+                         f"null to keep the bounds fixed")
+    if settings.min > settings.max:
+        raise ValueError(f"rl.adaptive_clip.min = {settings.min} exceeds rl.adaptive_clip.max = {settings.max}: the "
+                         f"bounds move between them; lower min or raise max")
+    names = bound_params(loss.name)
+    if names is None:
+        raise ValueError(f"rl.adaptive_clip.target_capped_frac = {target} but rl.loss.name = {loss.name!r} has no "
+                         f"clip bound to adapt: use cispo, dapo, grpo or gspo, or unset "
+                         f"rl.adaptive_clip.target_capped_frac")
+    if settings.adapt_low and names.low is None:
+        raise ValueError(f"rl.adaptive_clip.adapt_low = true but rl.loss.name = {loss.name!r} has one symmetric bound "
+                         f"({names.high}), adapted from the upper side: set rl.adaptive_clip.adapt_low = false")
+    moved = [names.high] + ([names.low] if settings.adapt_low else [])
+    for name in moved:
+        value = loss.params[name]
+        if not settings.min <= value <= settings.max:
+            raise ValueError(f"rl.loss.params.{name} = {value} lies outside [rl.adaptive_clip.min, rl.adaptive_clip.max]"
+                             f" = [{settings.min}, {settings.max}]: the adapted bound starts from it; move it inside "
+                             f"or widen the range")
 
 
 def _check_placement(config: Config) -> None:

@@ -11,6 +11,14 @@ The SFT pairs can come from a wordy teacher (``sft_restate``) who, in that fract
 restates the question before the result ("12+7=" -> "12+7=19"). The sum is right either way;
 the exact-match verifier accepts only the bare number, so the warm-started model, which usually
 restates, is graded wrong until RL teaches it to answer with the number alone.
+
+For addition, the teacher can also work the sum out (``sft_worked``, issue #26's fork task): in
+that fraction of answers it writes ``WORKED_MARKER``, then one step per column from the ones digit
+up, then ";" and the sum. A step adds the column's digits (0 where an operand has no such digit),
+then the carry in if there is one: "1234+56=" -> "~4+6=10,3+5+1=9,2+0=2,1+0=1;1290". The marker is
+the fork: a model that writes it takes the worked branch, any digit starts the direct one. The
+``numeric`` reward (the last number in the response) grades both: the sum after ";" is the last
+number, and no step reads as a signed or comma-grouped number (each step starts with one digit).
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ TASK_OPERATORS: dict[str, tuple[str, ...]] = {
 
 MAX_DIGITS = 9
 MAX_OPERANDS = 6
+
+# Starts a worked answer; one sentencepiece token: a character of the corpus that no BPE merge joins
+# to the digit after it (split_digits) and that nothing else in the corpus contains.
+WORKED_MARKER = "~"
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,26 @@ def make_problem(operands: list[int], operators: list[str]) -> PromptRecord:
     return PromptRecord(prompt=expression + "=", answer=str(evaluate(operands, operators)))
 
 
+def worked_answer(operands: list[int]) -> str:
+    """The teacher's worked sum of ``operands`` (non-negative): the marker, the column steps, ";", the sum.
+
+    Written ones column first, the order in which the carries are known."""
+    assert operands and all(operand >= 0 for operand in operands), operands
+    columns = max(len(str(operand)) for operand in operands)
+    steps, carry = [], 0
+    for column in range(columns):
+        terms = [operand // 10**column % 10 for operand in operands] + ([carry] if carry else [])
+        total = sum(terms)
+        steps.append("+".join(map(str, terms)) + f"={total}")
+        carry = total // 10
+    return f"{WORKED_MARKER}{','.join(steps)};{sum(operands)}"
+
+
+def operands_of(prompt: str) -> list[int]:
+    """The operands of an addition prompt ("12+7=" -> [12, 7])."""
+    return [int(operand) for operand in prompt.removesuffix("=").split("+")]
+
+
 @dataclass(frozen=True)
 class TaskData:
     """The files of one task: RL prompts, SFT pairs (a prefix of train), held-out test prompts."""
@@ -97,12 +129,15 @@ class TaskData:
     test: list[PromptRecord]
 
     def corpus_lines(self) -> list[str]:
-        """Tokenizer training text: each training prompt and answer, each on its own line.
+        """Tokenizer training text: each training prompt and answer, each on its own line, then the
+        SFT pairs' worked answers (so their marker becomes a token).
 
         Separate lines because the model always sees them tokenized separately (prompt, then
         answer): "=" followed by a negative answer's "-" must not become a "=-" piece.
         """
-        return [text for record in self.train for text in (record.prompt, record.answer)]
+        return [text for record in self.train for text in (record.prompt, record.answer)] + [
+            record.answer for record in self.sft if record.answer.startswith(WORKED_MARKER)
+        ]
 
 
 def generate_task_data(
@@ -112,16 +147,22 @@ def generate_task_data(
     seed: int,
     num_sft: int | None = None,
     sft_restate: float = 0.0,
+    sft_worked: float = 0.0,
 ) -> TaskData:
     """Draw num_train + num_test distinct problems; the SFT pairs are the first ``num_sft`` of train.
 
     Each SFT answer restates the question with probability ``sft_restate`` (see the module
-    docstring); RL and test answers are always the bare number. Deterministic in (task, counts,
-    seed, sft_restate). ``num_sft`` defaults to ``num_train``.
+    docstring); of the others, an addition answer is worked out (``worked_answer``) with probability
+    ``sft_worked``. RL and test answers are always the bare number. Deterministic in (task, counts,
+    seed, sft_restate, sft_worked). ``num_sft`` defaults to ``num_train``.
     """
     num_sft = num_train if num_sft is None else num_sft
     if not 0.0 <= sft_restate <= 1.0:
         raise ValueError(f"sft_restate={sft_restate} must be a probability in [0, 1]")
+    if not 0.0 <= sft_worked <= 1.0:
+        raise ValueError(f"sft_worked={sft_worked} must be a probability in [0, 1]")
+    if sft_worked and task.name != "addition":
+        raise ValueError(f"sft_worked={sft_worked} needs task 'addition' (got {task.name!r}); set it to 0")
     # Every file must hold a record: load_prompts rejects an empty one.
     if num_train < 1 or num_test < 1:
         raise ValueError(f"num_train={num_train} and num_test={num_test} must both be >= 1")
@@ -144,4 +185,12 @@ def generate_task_data(
         PromptRecord(record.prompt, record.prompt + record.answer) if teacher.random() < sft_restate else record
         for record in train[:num_sft]
     ]
+    if sft_worked:
+        # Its own stream again: with sft_worked = 0 the files are those written before it existed.
+        worker = random.Random(f"megacispo.tasks.worked:{seed}")
+        sft = [
+            PromptRecord(record.prompt, worked_answer(operands_of(record.prompt)))
+            if worker.random() < sft_worked and record.answer == true.answer else record
+            for record, true in zip(sft, train)
+        ]
     return TaskData(train=train, sft=sft, test=test)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
 
+from megacispo import adaptive_clip
 from megacispo.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
 from megacispo.async_rollout import RemoteRollouts
 from megacispo.checkpoint import (
@@ -48,6 +49,10 @@ from megacispo.rewards import RewardFailureError, Scores, get_reward_fn, score_r
 from megacispo.rollout import Samples, generate, sample_keys
 from megacispo.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
 from megacispo.tokenizer import Tokenizer
+
+
+# The extra_state key of the adapted clip bounds in a checkpoint.
+ADAPTIVE_CLIP_STATE = "adaptive_clip"
 
 
 @dataclass
@@ -200,6 +205,8 @@ class Trainer:
         self._saved_step: int | None = None
         self.remote_rollouts = remote_rollouts
         self.rollout_progress: tqdm | None = None
+        # rl.adaptive_clip: the loss's clip bounds, moved after every optimizer step; None: fixed.
+        self.adaptive_clip = adaptive_clip.from_config(config)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -467,6 +474,7 @@ class Trainer:
         counts = compute_global_counts([m.loss_mask for m in micro_batches], [m.old_logprobs for m in micro_batches],
                                        group=self.engine.dp_group)
         scale = self.engine.loss_scale_for_schedule(len(micro_batches))
+        loss_params = loss_config.params if self.adaptive_clip is None else self.adaptive_clip.params()
 
         def forward_step(micro: TrainBatch, model):
             hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
@@ -477,7 +485,7 @@ class Trainer:
                                                                 temperature, compute_entropy=True)
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
                                                     micro.loss_mask, counts, micro.token_weights,
-                                                    **loss_config.params)
+                                                    **loss_params)
                 metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
                 return loss * scale, metrics
 
@@ -496,7 +504,19 @@ class Trainer:
                 )
         metrics.update({"perf/grad_norm": result.grad_norm, "perf/lr": result.lr,
                         "perf/skipped_updates": float(self.num_skipped_updates)})
+        if self.adaptive_clip is not None:
+            metrics.update(self.adaptive_clip.metrics())
+            self._adapt_clip(metrics)
         return metrics
+
+    def _adapt_clip(self, metrics: dict[str, float]) -> None:
+        """Move the clip bounds from this step's capped fractions, global over the data-parallel ranks
+        (reduce_metrics). Only the last pipeline stage computes them: it sends them to the other stages,
+        so every rank holds the same bounds (rank 0 saves them)."""
+        keys = (adaptive_clip.HIGH_METRIC, adaptive_clip.LOW_METRIC)
+        fractions = torch.tensor([metrics.get(key, 0.0) for key in keys], dtype=torch.float64, device=self.engine.device)
+        high, low = broadcast_from_last_stage(fractions, self.engine.groups.pp).tolist()
+        self.adaptive_clip.update(high, low)
 
     # -- evaluation -----------------------------------------------------------------------------
 
@@ -522,7 +542,7 @@ class Trainer:
         save_checkpoint(
             checkpoint_root(self.config), self.step, self.engine.module, self.engine.optimizer, self.engine.scheduler,
             extra_state={"sampler": self.sampler.state_dict(), "consumed_samples": self.consumed_samples,
-                         "num_skipped_updates": self.num_skipped_updates},
+                         "num_skipped_updates": self.num_skipped_updates, **self._adaptive_clip_state()},
             config_dict=to_dict(self.config), keep_last=self.config.train.keep_last,
         )
         self._saved_step = self.step
@@ -560,6 +580,13 @@ class Trainer:
         self.sampler.load_state_dict(extra["sampler"])
         self.consumed_samples = extra["consumed_samples"]
         self.num_skipped_updates = extra["num_skipped_updates"]
+        # A checkpoint of a run with fixed bounds has none: the adapted bounds then start from the config's.
+        if self.adaptive_clip is not None and ADAPTIVE_CLIP_STATE in extra:
+            self.adaptive_clip.load_state_dict(extra[ADAPTIVE_CLIP_STATE])
+
+    def _adaptive_clip_state(self) -> dict[str, dict[str, float]]:
+        """The checkpoint's extra_state entry of the adapted bounds; empty when they are fixed."""
+        return {} if self.adaptive_clip is None else {ADAPTIVE_CLIP_STATE: self.adaptive_clip.state_dict()}
 
     def _say(self, line: str) -> None:
         # Rank 0: it names a damaged file (load_checkpoint) and prints the errors.

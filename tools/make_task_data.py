@@ -5,9 +5,13 @@
 Writes, each file atomically:
     DIR/train.jsonl   RL prompts with answers, {"prompt": "12+7=", "answer": "19"} per line
     DIR/sft.jsonl     supervised warm-start pairs (the first --num-sft train problems; with
-                      --sft-restate P, a fraction P of the answers restate the question: "12+7=19")
+                      --sft-restate P, a fraction P of the answers restate the question: "12+7=19";
+                      with --sft-worked P (addition only), a fraction P of the others work the sum
+                      out after the marker "~", column by column with carries, then the sum:
+                      "~2+7=9,1+0=1;19"; the numeric reward grades both kinds by the sum)
     DIR/test.jsonl    held-out prompts, disjoint from train
-    DIR/corpus.txt    text to train the tokenizer on (tools/train_tokenizer.py --input DIR/corpus.txt)
+    DIR/corpus.txt    text to train the tokenizer on (tools/train_tokenizer.py --input DIR/corpus.txt);
+                      it holds the worked answers too, so the marker is a token
 The same seed gives the same files.
 """
 
@@ -31,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sft-restate", type=float, default=0.0,
         help="fraction of SFT answers that restate the question first (RL and test answers stay bare numbers)",
+    )
+    parser.add_argument(
+        "--sft-worked", type=float, default=0.0,
+        help="fraction of SFT answers that work the sum out after a marker token (addition; issue #26's fork task)",
     )
     parser.add_argument("--seed", type=int, required=True, help="the same seed writes the same files")
     parser.add_argument("--digits", type=int, default=2, help=f"operands are in [0, 10**digits), 1..{MAX_DIGITS}")
@@ -57,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         task = ArithmeticTask(args.task, digits=args.digits, num_operands=args.operands)
         data = generate_task_data(
-            task, args.num_train, args.num_test, args.seed, num_sft=args.num_sft, sft_restate=args.sft_restate
+            task, args.num_train, args.num_test, args.seed, num_sft=args.num_sft, sft_restate=args.sft_restate,
+            sft_worked=args.sft_worked,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
