@@ -4,6 +4,8 @@ of its loss, gradients and parameters with the single-process run."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 
@@ -51,3 +53,19 @@ def assert_close_by_key(expected: dict, actual: dict, what: str, rtol: float = 1
         scale = expected[key].abs().max().clamp_min(1e-8)
         error = (expected[key] - actual[key]).abs().max() / scale
         assert error <= rtol, f"{what} {key}: relative error {error:.2e} > {rtol:.0e}"
+
+
+def one_update(engine, tokens: torch.Tensor):
+    """One optimizer step of ``engine`` on a made-up loss (the mean log-sum-exp of the logits of
+    ``tokens`` [b, s]): Engine.step's result, and by parameter name whether the step moved it."""
+    module = engine.module
+    before = {name: param.detach().clone() for name, param in module.named_parameters()}
+
+    def forward_step(batch, model):
+        logits = model(batch.tokens)
+        return logits, lambda output: (output.float().logsumexp(-1).mean(), {})
+
+    engine.run_micro_batches([types.SimpleNamespace(tokens=tokens)], forward_step, forward_only=False)
+    result = engine.step()
+    return result, {name: not torch.equal(before[name], param.detach()) for name, param in module.named_parameters()}
+

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from multiprocess_harness import run_distributed
-from test_train_e2e import REPO, _overrides, _train, task_files  # noqa: F401 - task_files is a fixture
+from test_train_e2e import REPO, _overrides, _train, _train_until_sigterm, task_files  # noqa: F401 - task_files is a fixture
 
 PLACED = ["--set", "parallel.expert_model_parallel_size=1", "--set", "placement.rollout_ranks=1"]
 
@@ -136,23 +132,6 @@ def test_resume_sends_the_checkpoints_weights_first(task_files, tmp_path):
 
 @pytest.mark.slow  # 12-35 s under torchrun
 def test_sigterm_stops_both_sides_after_the_step_in_flight(task_files, tmp_path):
-    log = tmp_path / "train.log"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "megacispo.train", *_overrides(task_files, tmp_path, steps=1000), *PLACED,
-               "--set", "rollout.max_staleness=1", "--set", "train.checkpoint_every=0"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log, "w") as out:
-        launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while not re.search(r"^step 1 \| ", log.read_text(), re.MULTILINE):
-                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            for worker in psutil.Process(launcher.pid).children():
-                worker.send_signal(signal.SIGTERM)
-            assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
-        finally:
-            launcher.kill()
-    stopped = re.search(r"SIGTERM: stopped after step (\d+)", log.read_text())
-    assert stopped, log.read_text()[-3000:]
-    assert (tmp_path / "checkpoints" / f"step_{int(stopped.group(1)):08d}").is_dir()
+    step = _train_until_sigterm([*_overrides(task_files, tmp_path, steps=1000), *PLACED, "--set",
+                                 "rollout.max_staleness=1", "--set", "train.checkpoint_every=0"], tmp_path / "train.log")
+    assert (tmp_path / "checkpoints" / f"step_{step:08d}").is_dir()

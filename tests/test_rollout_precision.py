@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from multiprocess_harness import run_distributed
+from parallel_case import one_update
 from test_train_e2e import _overrides, _train, task_files  # noqa: F401 (a fixture)
 
 EOS, PAD = 2, 0
@@ -146,8 +147,6 @@ def test_float32_rollouts_agree_and_bfloat16_ones_do_not_at_ep2(task_files, tmp_
 
 
 def _train_after_rollout_case() -> dict:
-    import types
-
     from megacispo.config import RolloutConfig, load_config
     from megacispo.engine import Engine
     from megacispo.parallel.layout import init_distributed
@@ -160,17 +159,8 @@ def _train_after_rollout_case() -> dict:
     module = engine.module
     generate(module, [[5, 6, 7], [8, 9]], RolloutConfig(max_new_tokens=4, dtype="bfloat16"), stop_ids=[EOS],
              pad_id=PAD, keys=sample_keys((0,), range(2), 1, device="cpu"))
-    before = {name: param.detach().clone() for name, param in module.named_parameters()}
-    micro = types.SimpleNamespace(tokens=torch.randint(3, 512, (2, 16), device="cpu"))
-
-    def forward_step(batch, model):
-        logits = model(batch.tokens)
-        return logits, lambda output: (output.float().logsumexp(-1).mean(), {})
-
-    engine.run_micro_batches([micro], forward_step, forward_only=False)
-    result = engine.step()
-    return {"grad_norm": result.grad_norm,
-            "unmoved": [name for name, param in module.named_parameters() if torch.equal(before[name], param)],
+    result, moved = one_update(engine, torch.randint(3, 512, (2, 16), device="cpu"))
+    return {"grad_norm": result.grad_norm, "unmoved": [name for name, was_moved in moved.items() if not was_moved],
             "dtypes": {param.dtype for param in module.parameters()}}
 
 

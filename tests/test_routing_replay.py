@@ -11,11 +11,10 @@ model.freeze_router keeps the routers' weights through an optimizer step while t
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from multiprocess_harness import run_distributed
+from parallel_case import one_update
 
 PROMPT_LENGTHS = (5, 12, 3, 20, 8, 9, 2, 14)
 EOS, PAD = 2, 0
@@ -178,18 +177,8 @@ def _freeze_case() -> dict:
                                 "optimizer.warmup_steps=0"])
     init_distributed(config.parallel, seed=1)
     engine = Engine(config, total_steps=1, peak_lr=1e-2)
-    module = engine.module
-    before = {name: param.detach().clone() for name, param in module.named_parameters()}
-    micro = types.SimpleNamespace(tokens=torch.randint(3, 512, (2, 16), device="cpu"))
-
-    def forward_step(batch, model):
-        logits = model(batch.tokens)
-        return logits, lambda output: (output.float().logsumexp(-1).mean(), {})
-
-    engine.run_micro_batches([micro], forward_step, forward_only=False)
-    applied = engine.step().applied
-    moved = {name: not torch.equal(before[name], param.detach()) for name, param in module.named_parameters()}
-    return {"applied": applied, "moved": moved}
+    result, moved = one_update(engine, torch.randint(3, 512, (2, 16), device="cpu"))
+    return {"applied": result.applied, "moved": moved}
 
 
 def test_freeze_router_keeps_router_weights():

@@ -115,13 +115,12 @@ def test_resume_continues_exactly(task_files, tmp_path):
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-6, atol=1e-9)
 
 
-def test_sigterm_saves_the_step_and_exits_cleanly(task_files, tmp_path):
-    """SIGTERM reaches the workers mid-run (as a cluster's preemption does): they agree to stop after
-    the step in flight, save its checkpoint (the only one: periodic checkpoints are off) and exit 0."""
-    log = tmp_path / "train.log"
+def _train_until_sigterm(overrides: list[str], log: Path) -> int:
+    """``megacispo.train`` under torchrun on 2 processes; once step 1's console line is out, SIGTERM to
+    every worker (as a cluster's preemption sends it). The run must exit 0 and say where it stopped:
+    that step is returned."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "megacispo.train", *_overrides(task_files, tmp_path, steps=1000),
-               "--set", "train.checkpoint_every=0"]
+               "-m", "megacispo.train", *overrides]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     with open(log, "w") as out:
         launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -137,7 +136,14 @@ def test_sigterm_saves_the_step_and_exits_cleanly(task_files, tmp_path):
             launcher.kill()
     stopped = re.search(r"SIGTERM: stopped after step (\d+)", log.read_text())
     assert stopped, log.read_text()[-3000:]
-    step = int(stopped.group(1))
+    return int(stopped.group(1))
+
+
+def test_sigterm_saves_the_step_and_exits_cleanly(task_files, tmp_path):
+    """SIGTERM reaches the workers mid-run (as a cluster's preemption does): they agree to stop after
+    the step in flight, save its checkpoint (the only one: periodic checkpoints are off) and exit 0."""
+    step = _train_until_sigterm([*_overrides(task_files, tmp_path, steps=1000), "--set", "train.checkpoint_every=0"],
+                                tmp_path / "train.log")
     assert 1 <= step < 1000
     from megacispo.checkpoint import complete_checkpoints
 
