@@ -260,7 +260,7 @@ class Trainer:
             self.remote_rollouts.publish(self.engine.module, self.step + 1)
             update_metrics.update(self.remote_rollouts.finish_step())
         timings = timer.metrics()
-        num_tokens = self._all_reduce_sum(float(batch.loss_mask.sum()))
+        num_tokens = self._all_reduce(float(batch.loss_mask.sum()))
         timings["perf/tokens_per_s"] = num_tokens / sum(timings.values())
         self.consumed_samples += len(batch) * self.dp_size
         return {**rollout_metrics, **update_metrics, **timings}
@@ -298,7 +298,7 @@ class Trainer:
                 (kept if keep_flags[rows.start] else spare).append(entry)
             stats["groups"] += len(records)
             stats["dropped"] += keep_flags.count(False) / group_size
-            if self._all_reduce_min(len(kept)) >= quota:
+            if self._all_reduce(len(kept), dist.ReduceOp.MIN) >= quota:
                 break
         chosen = (kept + spare)[:quota]
         metrics = self._rollout_metrics(stats, chosen)
@@ -369,7 +369,7 @@ class Trainer:
         dist.all_reduce(local, group=self.engine.dp_group)
         (reward_sum, reward_sq, n, correct, length_sum, truncated, failures, groups, dropped,
          adv_sum, adv_abs, n_adv) = local.tolist()
-        max_length = self._all_reduce_max(float(lengths.max()))
+        max_length = self._all_reduce(float(lengths.max()), dist.ReduceOp.MAX)
         mean = reward_sum / n
         return {
             "rollout/reward_mean": mean,
@@ -405,7 +405,8 @@ class Trainer:
                                      settings.threshold_high)
         sums = torch.cat([mismatch_sums(old, rollout, mask), correction.num_dropped.double()[None]])
         dist.all_reduce(sums, group=self.engine.dp_group)
-        metrics = mismatch_metrics(sums[:-1], self._all_reduce_max(float(max_abs_logprob_diff(old, rollout, mask))))
+        max_abs_diff = self._all_reduce(float(max_abs_logprob_diff(old, rollout, mask)), dist.ReduceOp.MAX)
+        metrics = mismatch_metrics(sums[:-1], max_abs_diff)
         metrics["mismatch/correction_masked_frac"] = float(sums[-1]) / max(float(sums[-2]), 1.0)
         response = mask.bool()
         rollout_probs, train_probs = self._gather_over_dp(rollout[response].exp(), old[response].exp())
@@ -421,7 +422,7 @@ class Trainer:
         counts = self.engine.module.take_route_counts()
         dist.all_reduce(counts)
         metrics = disagreement_metrics(counts)
-        real_tokens = self._all_reduce_sum(float((~batch.padding_mask).sum()))
+        real_tokens = self._all_reduce(float((~batch.padding_mask).sum()))
         per_token = self.config.model.num_layers * batch.routes.shape[-1] * batch.routes.element_size()
         metrics["rollout/routes_bytes_per_sample"] = real_tokens * per_token / (len(batch) * self.dp_size)
         return metrics
@@ -635,17 +636,8 @@ class Trainer:
         dist.all_gather_object(gathered, [tensor.cpu() for tensor in tensors], group=self.engine.dp_group)
         return [torch.cat(parts) for parts in zip(*gathered)]
 
-    def _all_reduce_sum(self, value: float) -> float:
+    def _all_reduce(self, value: float, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
+        """``value`` reduced with ``op`` over the data-parallel ranks (in float64 on the run's device)."""
         tensor = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(tensor, group=self.engine.dp_group)
-        return float(tensor)
-
-    def _all_reduce_max(self, value: float) -> float:
-        tensor = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.engine.dp_group)
-        return float(tensor)
-
-    def _all_reduce_min(self, value: float) -> float:
-        tensor = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.engine.dp_group)
+        dist.all_reduce(tensor, op=op, group=self.engine.dp_group)
         return float(tensor)

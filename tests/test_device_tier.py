@@ -261,9 +261,9 @@ def _agree_with_host_flags(engine, refill: bool, running: bool) -> tuple[bool, b
     return bool(flags[0]), bool(flags[1])
 
 
-def _all_reduce_sum_on_host(trainer, value: float) -> float:
+def _all_reduce_on_host(trainer, value: float, op=torch.distributed.ReduceOp.SUM) -> float:
     total = torch.tensor(value, dtype=torch.float64)  # the mistake: no device=, then a collective
-    torch.distributed.all_reduce(total, group=trainer.engine.dp_group)
+    torch.distributed.all_reduce(total, op=op, group=trainer.engine.dp_group)
     return float(total)
 
 
@@ -309,7 +309,7 @@ def _rl_plants() -> dict:
         "token_logprobs": ("update", _planted(megacispo.engine, "lm_head_logprobs")),
         "token_logprobs_moved_to_host": ("update", _planted(Engine, "token_logprobs", torch.Tensor.cpu)),
         "policy_loss": ("update", _planted(megacispo.trainer, "compute_policy_loss")),
-        "step_metrics": ("rl_step", _replaced(Trainer, "_all_reduce_sum", _all_reduce_sum_on_host)),
+        "step_metrics": ("rl_step", _replaced(Trainer, "_all_reduce", _all_reduce_on_host)),
         "evaluation": ("evaluate", _replaced(megacispo.evaluation, "_all_reduce_rows", _all_reduce_rows_on_host)),
         "score_forward": ("score_forward", _planted(megacispo.parallel.vocab_parallel, "vocab_parallel_logprobs")),
     }
