@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # CISPO against its baselines on the CPU (docs/cispo_vs_baselines.md): the same task, model, data,
-# SFT warm start and seeds, trained with each loss of LOSSES for every seed of SEEDS, each loss with
-# its registry (paper) parameters; then tools/plot_runs.py draws RUN_DIR/compare.png and writes the
-# steps-to-accuracy table to RUN_DIR/table.md. Every RL run is one process; JOBS of them run at once.
-# Environment variables (defaults in brackets):
-#   LOSSES [cispo dapo grpo reinforce]   SEEDS [0 1 2]   JOBS [2] runs at once
-#   STEPS [40] RL steps per run          LR [5e-5] RL learning rate (constant after warm-up)
-#   PROMPTS [32] prompts per rollout batch, GROUP [8] samples per prompt, UPDATES [16] optimizer
-#   steps per rollout batch (each on PROMPTS*GROUP/UPDATES samples; M1 used 16)
-#   SFT_STEPS [700] steps of the shared warm start, of a 1000-step cosine   EVAL_EVERY [4] steps between evaluations
-#   NUM_TRAIN [4000] NUM_TEST [200] task problems    LEVELS [0.5 0.6 0.65] accuracies for the table
-#   RUN_DIR [runs/compare] (relative to the repository)   SETUP [1] (0 skips tools/setup_env.sh: the environment is already there)
+# SFT warm start and seeds, trained with each arm of ARMS for every seed of SEEDS and every number of
+# updates per rollout of UPDATES; then tools/plot_runs.py draws the curves and the sweep over UPDATES
+# and writes the steps-to-accuracy table. Every RL run is one process; JOBS of them run at once.
+#
+# TASK picks the task and its defaults:
+#   addition  2-digit addition (the quick start's task), exact-match reward
+#   fork      3-digit addition with a fork: the model answers far better when it first writes the
+#             marker "~" and works the sum out column by column, which its SFT teacher did in 3% of
+#             its answers (megacispo/tasks.py); numeric reward, the marker's start probability and
+#             clip fractions logged (logging.probe_token), and its branch accuracies measured on the
+#             SFT checkpoint into RUN_DIR/branches.txt (tools/fork_branches.py)
+# An arm is a loss name of the registry, run with its paper parameters (rl.loss.name=NAME), or
+# NAME:KEY=VALUE,KEY=VALUE,... for any config overrides, e.g. "cispo_cap2:rl.loss.name=cispo,rl.loss.params.eps_high=1.0".
+# Environment variables (defaults: addition / fork):
+#   TASK [addition]   ARMS [cispo dapo grpo gspo reinforce]   SEEDS [0 1 2]   JOBS [2] runs at once
+#   UPDATES [16 / 1 4 16] optimizer steps per rollout batch, each on PROMPTS*GROUP/UPDATES samples
+#   STEPS [40 / 40] RL steps per run   LR [5e-5] RL learning rate (constant after warm-up)
+#   PROMPTS [32 / 16] prompts per rollout batch   GROUP [8] samples per prompt
+#   SFT_STEPS [700 / 1000] steps of the shared warm start, of a 1000-step cosine
+#   EVAL_EVERY [4 / 4] steps between evaluations   NUM_TRAIN [4000] NUM_TEST [200] task problems
+#   LEVELS [0.5 0.6 0.65 / 0.3 0.5 0.6] accuracies for the table
+#   RUN_DIR [runs/compare / runs/compare_fork] (relative to the repository)
+#   SETUP [1] (0 skips tools/setup_env.sh: the environment is already there)
 #   EXTRA   more --set overrides for the SFT and every RL run, e.g. EXTRA="--set rollout.temperature=0.8"
 # A run directory holding a finished run of STEPS steps is kept (delete it to rerun that run), an
 # unfinished one is started over; the data, tokenizer and SFT checkpoint are made only if missing.
@@ -22,30 +34,46 @@ if [ "${SETUP:-1}" = 1 ]; then
     bash "$repo/tools/setup_env.sh" plot
 fi
 cd "$repo"
-LOSSES="${LOSSES:-cispo dapo grpo reinforce}"
+TASK="${TASK:-addition}"
+case "$TASK" in
+    addition)
+        CONFIG=examples/configs/compare_losses_cpu.yaml
+        task_args=(--digits 2)
+        : "${UPDATES:=16}" "${PROMPTS:=32}" "${SFT_STEPS:=700}" "${LEVELS:=0.5 0.6 0.65}" "${RUN_DIR:=runs/compare}"
+        ;;
+    fork)
+        CONFIG=examples/configs/compare_fork_cpu.yaml
+        # 30% of the other SFT answers demonstrate the worked branch after a given marker: the model
+        # learns to carry it out without learning to take it (megacispo/tasks.py).
+        task_args=(--digits 3 --sft-worked 0.03 --sft-worked-demos 0.3)
+        : "${UPDATES:=1 4 16}" "${PROMPTS:=16}" "${SFT_STEPS:=1000}" "${LEVELS:=0.3 0.5 0.6}" "${RUN_DIR:=runs/compare_fork}"
+        ;;
+    *)
+        echo "TASK=$TASK is not a task: use addition or fork" >&2
+        exit 2
+        ;;
+esac
+ARMS="${ARMS:-cispo dapo grpo gspo reinforce}"
 SEEDS="${SEEDS:-0 1 2}"
 JOBS="${JOBS:-2}"
 STEPS="${STEPS:-40}"
 LR="${LR:-5e-5}"
-PROMPTS="${PROMPTS:-32}"
 GROUP="${GROUP:-8}"
-UPDATES="${UPDATES:-16}"
 EVAL_EVERY="${EVAL_EVERY:-4}"
 NUM_TRAIN="${NUM_TRAIN:-4000}"
 NUM_TEST="${NUM_TEST:-200}"
-LEVELS="${LEVELS:-0.5 0.6 0.65}"
-RUN_DIR="${RUN_DIR:-runs/compare}"
-CONFIG=examples/configs/compare_losses_cpu.yaml
-if (( PROMPTS * GROUP % UPDATES )); then
-    echo "UPDATES=$UPDATES does not divide the rollout batch PROMPTS*GROUP = $(( PROMPTS * GROUP )): choose a divisor" >&2
-    exit 2
-fi
+for updates in $UPDATES; do
+    if (( PROMPTS * GROUP % updates )); then
+        echo "UPDATES=$updates does not divide the rollout batch PROMPTS*GROUP = $(( PROMPTS * GROUP )): choose divisors" >&2
+        exit 2
+    fi
+done
 py=.venv/bin/python
 export PYTHONWARNINGS="ignore"
 # One thread per process: JOBS runs share the cores instead of oversubscribing them.
 export OMP_NUM_THREADS=1
 
-# Every stage sees the same paths and data; each RL run adds the RL knobs, its loss, seed and run directory.
+# Every stage sees the same paths and data; each RL run adds the RL knobs, its arm, seed and run directory.
 paths=(
     --set "data.train_prompts=$RUN_DIR/data/train.jsonl" --set "data.test_prompts=$RUN_DIR/data/test.jsonl"
     --set "data.sft_pairs=$RUN_DIR/data/sft.jsonl" --set "data.tokenizer=$RUN_DIR/tokenizer/tokenizer.model"
@@ -56,7 +84,6 @@ paths+=(${EXTRA:-})
 common=(
     "${paths[@]}"
     --set "rollout.prompts_per_step=$PROMPTS" --set "rollout.group_size=$GROUP"
-    --set "rl.updates_per_rollout=$UPDATES" --set "train.micro_batch_size=$(( PROMPTS * GROUP / UPDATES ))"
     --set "optimizer.lr=$LR" --set "optimizer.min_lr=$LR"
     --set "train.steps=$STEPS" --set "train.eval_every=$EVAL_EVERY"
 )
@@ -68,27 +95,51 @@ if ! $py -c "import matplotlib" 2>/dev/null; then
 fi
 mkdir -p "$RUN_DIR/logs"
 if [ ! -f "$RUN_DIR/data/test.jsonl" ] || [ ! -f "$RUN_DIR/tokenizer/tokenizer.model" ]; then
-    echo "== task data and tokenizer"
-    $py tools/make_task_data.py --out "$RUN_DIR/data" --task addition --digits 2 --num-train "$NUM_TRAIN" \
+    echo "== task data and tokenizer ($TASK)"
+    $py tools/make_task_data.py --out "$RUN_DIR/data" --task addition "${task_args[@]}" --num-train "$NUM_TRAIN" \
         --num-test "$NUM_TEST" --seed 0
     $py tools/train_tokenizer.py --input "$RUN_DIR/data/corpus.txt" --vocab-size 512 --out "$RUN_DIR/tokenizer"
 fi
 if [ ! -d "$RUN_DIR/sft/checkpoints" ]; then
     echo "== shared SFT warm start (2 processes, EP=2; log: $RUN_DIR/logs/sft.log)"
-    # The quick start's config and layout on exact answers, stopped part-way down the schedule: a
-    # partly trained model (held-out accuracy about 0.4 at 700 steps) whose checkpoint reshards to
-    # one process. SFT is chaotic around its jump in accuracy: the stop step sets the start.
+    # The quick start's config and layout, stopped at SFT_STEPS of a 1000-step cosine. For addition
+    # (exact answers) 700 steps leave a partly trained model (held-out accuracy about 0.4) with room
+    # to climb; SFT is chaotic around its jump in accuracy, so the stop step sets the start. The
+    # checkpoint reshards to the RL runs' one process.
     .venv/bin/torchrun --standalone --nproc-per-node 2 -m megacispo.sft --config examples/configs/quickstart_cpu.yaml \
-        "${paths[@]}" --set "sft.steps=${SFT_STEPS:-700}" --set sft.decay_steps=1000 \
+        "${paths[@]}" --set "sft.steps=$SFT_STEPS" --set sft.decay_steps=1000 \
         >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -n 30 "$RUN_DIR/logs/sft.log"; exit 1; }
 fi
+if [ "$TASK" = fork ] && [ ! -f "$RUN_DIR/branches.txt" ]; then
+    echo "== the fork on the SFT checkpoint (greedy, held-out prompts)"
+    $py tools/fork_branches.py --config "$CONFIG" "${paths[@]}" >"$RUN_DIR/branches.tmp" 2>"$RUN_DIR/logs/branches.log" \
+        || { tail -n 30 "$RUN_DIR/logs/branches.log"; exit 1; }
+    mv "$RUN_DIR/branches.tmp" "$RUN_DIR/branches.txt"
+fi
+[ "$TASK" = fork ] && sed 's/^/   /' "$RUN_DIR/branches.txt"
+
+# The --set overrides of an arm: NAME (a registry loss) or NAME:KEY=VALUE,KEY=VALUE,...
+arm_overrides() {
+    local arm="$1" item
+    if [[ "$arm" != *:* ]]; then
+        echo "--set rl.loss.name=$arm"
+        return
+    fi
+    local IFS=,
+    for item in ${arm#*:}; do
+        echo "--set $item"
+    done
+}
 
 # One RL run; its output goes to its log file, and a failure prints the log's tail.
 rl_run() {
-    local loss="$1" seed="$2"
-    local name="${loss}_seed${seed}"
+    local arm="$1" updates="$2" seed="$3" name="$4"
     local log="$RUN_DIR/logs/$name.log"
-    if $py -m megacispo.train --config "$CONFIG" "${common[@]}" --set "rl.loss.name=$loss" \
+    local overrides
+    mapfile -t overrides < <(arm_overrides "$arm")
+    # shellcheck disable=SC2068  # each line is "--set KEY=VALUE": two words
+    if $py -m megacispo.train --config "$CONFIG" "${common[@]}" ${overrides[@]} \
+        --set "rl.updates_per_rollout=$updates" --set "train.micro_batch_size=$(( PROMPTS * GROUP / updates ))" \
         --set "train.seed=$seed" --set "train.run_dir=$RUN_DIR/$name" >"$log" 2>&1; then
         echo "   done $name: $(grep 'held-out accuracy' "$log" || echo 'see its log')"
     else
@@ -98,29 +149,31 @@ rl_run() {
     fi
 }
 
-echo "== RL runs: losses [$LOSSES] x seeds [$SEEDS], $JOBS at once, $STEPS steps each (logs: $RUN_DIR/logs)"
+echo "== RL runs: arms [$ARMS] x updates per rollout [$UPDATES] x seeds [$SEEDS], $JOBS at once, $STEPS steps each (logs: $RUN_DIR/logs)"
 run_dirs=()
 pids=()
 failed=0
 start=$SECONDS
-for loss in $LOSSES; do
-    for seed in $SEEDS; do
-        name="${loss}_seed${seed}"
-        run_dirs+=("$RUN_DIR/$name")
-        if [ -d "$RUN_DIR/$name/checkpoints/step_$(printf '%08d' "$STEPS")" ]; then
-            echo "   kept $name (finished earlier)"
-            continue
-        fi
-        # Events of an interrupted attempt would mix with the new run's.
-        rm -rf "${RUN_DIR:?}/$name"
-        # Wait for a free slot: reap the oldest running job before starting another.
-        while [ "${#pids[@]}" -ge "$JOBS" ]; do
-            wait "${pids[0]}" || failed=1
-            pids=("${pids[@]:1}")
+for updates in $UPDATES; do
+    for arm in $ARMS; do
+        for seed in $SEEDS; do
+            name="${arm%%:*}_u${updates}_seed${seed}"
+            run_dirs+=("$RUN_DIR/$name")
+            if [ -d "$RUN_DIR/$name/checkpoints/step_$(printf '%08d' "$STEPS")" ]; then
+                echo "   kept $name (finished earlier)"
+                continue
+            fi
+            # Events of an interrupted attempt would mix with the new run's.
+            rm -rf "${RUN_DIR:?}/$name"
+            # Wait for a free slot: reap the oldest running job before starting another.
+            while [ "${#pids[@]}" -ge "$JOBS" ]; do
+                wait "${pids[0]}" || failed=1
+                pids=("${pids[@]:1}")
+            done
+            echo "   start $name"
+            rl_run "$arm" "$updates" "$seed" "$name" &
+            pids+=("$!")
         done
-        echo "   start $name"
-        rl_run "$loss" "$seed" &
-        pids+=("$!")
     done
 done
 for pid in "${pids[@]}"; do
@@ -132,8 +185,15 @@ if [ "$failed" != 0 ]; then
     exit 1
 fi
 
-echo "== plot and table"
+echo "== plots and table"
+for updates in $UPDATES; do
+    # shellcheck disable=SC2207  # run directory names have no spaces
+    runs=($(printf '%s\n' "${run_dirs[@]}" | grep "_u${updates}_seed"))
+    $py tools/plot_runs.py "${runs[@]}" --out "$RUN_DIR/compare_u${updates}.png" \
+        --title "$TASK, $updates update(s) per rollout: mean over seeds, band: min to max" >/dev/null
+done
+sweep=()
+[ "$(wc -w <<<"$UPDATES")" -gt 1 ] && sweep=(--sweep "$RUN_DIR/sweep.png")
 # shellcheck disable=SC2086  # LEVELS is a list of numbers
-$py tools/plot_runs.py "${run_dirs[@]}" --out "$RUN_DIR/compare.png" --table "$RUN_DIR/table.md" \
-    --levels $LEVELS --reference cispo
+$py tools/plot_runs.py "${run_dirs[@]}" --table "$RUN_DIR/table.md" "${sweep[@]}" --levels $LEVELS --reference cispo
 echo "total: $SECONDS s"

@@ -158,6 +158,11 @@ def load_tokenizer(config: Config) -> Tokenizer:
             f"data.tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} pieces but model.vocab_size = "
             f"{config.model.vocab_size}: retrain the tokenizer smaller or set model.vocab_size >= {tokenizer.vocab_size}"
         )
+    if config.logging.probe_token:
+        try:
+            tokenizer.single_token_id(config.logging.probe_token)
+        except ValueError as error:
+            raise ValueError(f"logging.probe_token: {error}; choose a text that is one token of data.tokenizer") from None
     if config.data.chat_template and not tokenizer.has_chat_template:
         raise ValueError(
             f"data.chat_template = true but data.tokenizer {config.data.tokenizer} has no chat template: set "

@@ -257,6 +257,8 @@ class LoggingConfig:
     """The W&B project."""
     wandb_run_name: str = ""
     """The W&B run name (empty: the name of train.run_dir)."""
+    probe_token: str = ""
+    """Text of one token (the fork task's marker "~"): log its probability at the response's start and its clip fractions under probe/ (empty: off)."""
 
 
 @dataclass(kw_only=True)

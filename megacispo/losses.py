@@ -311,6 +311,7 @@ def compute_policy_loss(
     loss_mask: torch.Tensor,
     global_counts: GlobalCounts | None = None,
     token_weights: torch.Tensor | None = None,
+    probe_mask: torch.Tensor | None = None,
     **params: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step loss of policy loss ``name``, and its metrics.
@@ -326,6 +327,9 @@ def compute_policy_loss(
         token_weights: [batch, seq] detached factors of each token's loss, or None: a correction for
             the gap between rollout and training probabilities (megacispo.rollout_correction, tis),
             applied the same way to every loss.
+        probe_mask: [batch, seq] bool or None: tokens (one token id, logging.probe_token) whose clip
+            flags are also counted on their own: loss/probe_tokens, loss/probe_clipped_high,
+            loss/probe_clipped_low (counts: SUM).
         params: the loss's parameters (``describe_policy_losses()``), e.g. eps_high=4.0.
 
     Returns:
@@ -340,8 +344,9 @@ def compute_policy_loss(
     spec = get_policy_loss(name)
     params = validate_policy_loss_params(name, params)
     tensor_params = {key: value for key, value in params.items() if isinstance(value, torch.Tensor)}
+    optional = {"token_weights": token_weights, "probe_mask": probe_mask}
     _check_input_shapes(logprobs, old_logprobs, advantages, loss_mask,
-                        {**tensor_params, **({} if token_weights is None else {"token_weights": token_weights})})
+                        {**tensor_params, **{key: value for key, value in optional.items() if value is not None}})
     if global_counts is None:
         global_counts = compute_global_counts([loss_mask], [old_logprobs])
 
@@ -352,7 +357,7 @@ def compute_policy_loss(
         per_token_loss = per_token_loss * token_weights.detach().to(per_token_loss.dtype)
     loss = aggregate_loss(per_token_loss, inputs.valid_mask, spec.aggregation, global_counts)
     num_dropped = ((loss_mask != 0) & ~torch.isfinite(old_logprobs)).sum()
-    metrics = _loss_metrics(inputs, terms, global_counts, loss, num_dropped)
+    metrics = _loss_metrics(inputs, terms, global_counts, loss, num_dropped, probe_mask)
     return loss, metrics
 
 
@@ -417,8 +422,10 @@ def _loss_metrics(
     counts: GlobalCounts,
     loss: torch.Tensor,
     num_dropped: torch.Tensor,
+    probe_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-token means pre-divided by the step's global token count, so that SUM gives the step mean."""
+    """Per-token means pre-divided by the step's global token count, so that SUM gives the step mean;
+    counts for the probe tokens (their fractions are ratios of counts summed over the step)."""
     valid = inputs.valid_mask
     num_tokens = counts.num_tokens.clamp(min=1)
     ratio = inputs.ratio.detach()
@@ -446,6 +453,14 @@ def _loss_metrics(
         "num_nonfinite_dropped": num_dropped.float(),
     }
     metrics.update({key: token_mean(value.detach()) for key, value in terms.token_metrics.items()})
+    if probe_mask is not None:
+        probe = probe_mask & valid
+
+        def probe_count(flags: torch.Tensor | None) -> torch.Tensor:
+            return (flags & probe).sum().float() if flags is not None else torch.zeros((), device=ratio.device)
+
+        metrics.update({"probe_tokens": probe.sum().float(), "probe_clipped_high": probe_count(terms.clipped_high),
+                        "probe_clipped_low": probe_count(terms.clipped_low)})
     return {METRIC_PREFIX + key: value for key, value in metrics.items()}
 
 

@@ -16,7 +16,12 @@ For addition, the teacher can also work the sum out (``sft_worked``, issue #26's
 that fraction of answers it writes ``WORKED_MARKER``, then one step per column from the ones digit
 up, then ";" and the sum. A step adds the column's digits (0 where an operand has no such digit),
 then the carry in if there is one: "1234+56=" -> "~4+6=10,3+5+1=9,2+0=2,1+0=1;1290". The marker is
-the fork: a model that writes it takes the worked branch, any digit starts the direct one. The
+the fork: a model that writes it takes the worked branch, any digit starts the direct one.
+``sft_worked_demos`` adds demonstrations of the worked branch that do not teach taking it: in that
+fraction of the answers the prompt ends with the marker ("1234+56=~") and the answer is the rest of
+the worked sum. SFT's loss covers the answer only, so the model learns to carry out the branch from
+many examples while the marker's probability at the answer's start stays near ``sft_worked`` (a
+pretrained model can reflect, but rarely starts to). The
 ``numeric`` reward (the last number in the response) grades both: the sum after ";" is the last
 number, and no step reads as a signed or comma-grouped number (each step starts with one digit).
 """
@@ -148,21 +153,26 @@ def generate_task_data(
     num_sft: int | None = None,
     sft_restate: float = 0.0,
     sft_worked: float = 0.0,
+    sft_worked_demos: float = 0.0,
 ) -> TaskData:
     """Draw num_train + num_test distinct problems; the SFT pairs are the first ``num_sft`` of train.
 
     Each SFT answer restates the question with probability ``sft_restate`` (see the module
     docstring); of the others, an addition answer is worked out (``worked_answer``) with probability
-    ``sft_worked``. RL and test answers are always the bare number. Deterministic in (task, counts,
-    seed, sft_restate, sft_worked). ``num_sft`` defaults to ``num_train``.
+    ``sft_worked``, and of the rest a fraction ``sft_worked_demos`` are demonstrations that continue
+    after the marker. RL and test answers are always the bare number. Deterministic in (task, counts,
+    seed and the three fractions). ``num_sft`` defaults to ``num_train``.
     """
     num_sft = num_train if num_sft is None else num_sft
     if not 0.0 <= sft_restate <= 1.0:
         raise ValueError(f"sft_restate={sft_restate} must be a probability in [0, 1]")
     if not 0.0 <= sft_worked <= 1.0:
         raise ValueError(f"sft_worked={sft_worked} must be a probability in [0, 1]")
-    if sft_worked and task.name != "addition":
-        raise ValueError(f"sft_worked={sft_worked} needs task 'addition' (got {task.name!r}); set it to 0")
+    if not 0.0 <= sft_worked_demos <= 1.0:
+        raise ValueError(f"sft_worked_demos={sft_worked_demos} must be a probability in [0, 1]")
+    for name, value in (("sft_worked", sft_worked), ("sft_worked_demos", sft_worked_demos)):
+        if value and task.name != "addition":
+            raise ValueError(f"{name}={value} needs task 'addition' (got {task.name!r}); set it to 0")
     # Every file must hold a record: load_prompts rejects an empty one.
     if num_train < 1 or num_test < 1:
         raise ValueError(f"num_train={num_train} and num_test={num_test} must both be >= 1")
@@ -191,6 +201,13 @@ def generate_task_data(
         sft = [
             PromptRecord(record.prompt, worked_answer(operands_of(record.prompt)))
             if worker.random() < sft_worked and record.answer == true.answer else record
+            for record, true in zip(sft, train)
+        ]
+    if sft_worked_demos:
+        demonstrator = random.Random(f"megacispo.tasks.worked_demos:{seed}")
+        sft = [
+            PromptRecord(record.prompt + WORKED_MARKER, worked_answer(operands_of(record.prompt)).removeprefix(WORKED_MARKER))
+            if demonstrator.random() < sft_worked_demos and record.answer == true.answer else record
             for record, true in zip(sft, train)
         ]
     return TaskData(train=train, sft=sft, test=test)

@@ -92,6 +92,13 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]: ...
 
+    def single_token_id(self, text: str) -> int:
+        """The id of ``text``, which must encode to exactly one token."""
+        ids = self.encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"{text!r} encodes to {len(ids)} tokens {ids} with {self.path}, not one")
+        return ids[0]
+
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` without special tokens; an id outside [0, vocab_size) decodes to UNKNOWN_TEXT.

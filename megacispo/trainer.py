@@ -41,7 +41,7 @@ from megacispo.data import PromptRecord, PromptSampler, prompt_token_ids
 from megacispo.engine import Engine
 from megacispo.evaluation import Evaluator, response_text
 from megacispo.hf_checkpoint import check_start_weights, load_start_weights
-from megacispo.losses import compute_global_counts, compute_policy_loss, reduce_metrics
+from megacispo.losses import GlobalCounts, compute_global_counts, compute_policy_loss, reduce_metrics
 from megacispo.metrics import MetricsLogger, Timer, moe_load_balance, pearson_correlation
 from megacispo.models.routing import RoutingTargets, disagreement_metrics
 from megacispo.parallel.layout import broadcast_from_last_stage
@@ -53,6 +53,8 @@ from megacispo.tokenizer import Tokenizer
 
 # The extra_state key of the adapted clip bounds in a checkpoint.
 ADAPTIVE_CLIP_STATE = "adaptive_clip"
+# The mean over a step's responses of the probe token's probability at their first position (logging.probe_token).
+PROBE_START_PROB = "probe/start_prob"
 
 
 @dataclass
@@ -113,6 +115,21 @@ class StartPlan:
     checkpoints: dict[Path, str | None]
     """With --resume, the run's checkpoints, oldest first, with why each does not verify (None when it
     does): the newest that loads is resumed. Empty: the run starts afresh, from train.load if set."""
+
+
+def probe_fractions(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with the probe token's clip counts (loss/probe_*, each a mean over the step's updates)
+    turned into fractions of the probe tokens: probe/clip_frac_high, probe/clip_frac_low (left out when
+    no probe token was sampled), and probe/tokens per update."""
+    if "loss/probe_tokens" not in metrics:
+        return metrics
+    metrics = dict(metrics)
+    tokens = metrics.pop("loss/probe_tokens")
+    clipped = {side: metrics.pop(f"loss/probe_clipped_{side}") for side in ("high", "low")}
+    metrics["probe/tokens"] = tokens
+    if tokens:
+        metrics.update({f"probe/clip_frac_{side}": count / tokens for side, count in clipped.items()})
+    return metrics
 
 
 def checkpoint_root(config: Config) -> Path:
@@ -207,6 +224,8 @@ class Trainer:
         self.rollout_progress: tqdm | None = None
         # rl.adaptive_clip: the loss's clip bounds, moved after every optimizer step; None: fixed.
         self.adaptive_clip = adaptive_clip.from_config(config)
+        # logging.probe_token (checked at start-up): the token whose start probability and clipping are logged.
+        self.probe_id = tokenizer.single_token_id(config.logging.probe_token) if config.logging.probe_token else None
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -466,7 +485,7 @@ class Trainer:
             per_update.append(self._update_once(batch.slice(k * size, (k + 1) * size)))
         averaged = {key: sum(m[key] for m in per_update) / updates for key in per_update[0] if not key.endswith("_max")}
         averaged.update({key: max(m[key] for m in per_update) for key in per_update[0] if key.endswith("_max")})
-        return averaged
+        return probe_fractions(averaged)
 
     def _update_once(self, mini_batch: TrainBatch) -> dict[str, float]:
         loss_config = self.config.rl.loss
@@ -484,10 +503,13 @@ class Trainer:
             def loss_func(output):
                 logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,
                                                                 temperature, compute_entropy=True)
+                probe_mask = None if self.probe_id is None else (micro.tokens[:, 1:] == self.probe_id) & (micro.loss_mask != 0)
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
-                                                    micro.loss_mask, counts, micro.token_weights,
+                                                    micro.loss_mask, counts, micro.token_weights, probe_mask,
                                                     **loss_params)
                 metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
+                if self.probe_id is not None:
+                    metrics[PROBE_START_PROB] = self._probe_start_probability(output, micro, counts)
                 return loss * scale, metrics
 
             return hidden, loss_func
@@ -509,6 +531,14 @@ class Trainer:
             metrics.update(self.adaptive_clip.metrics())
             self._adapt_clip(metrics)
         return metrics
+
+    def _probe_start_probability(self, hidden: torch.Tensor, micro: TrainBatch, counts: GlobalCounts) -> torch.Tensor:
+        """This micro-batch's share of the update's mean probability of the probe token at the response's
+        first position, under the policy being trained (pre-divided by the update's sequence count)."""
+        first = (micro.loss_mask != 0) & (micro.loss_mask.cumsum(dim=1) == 1)  # [b, T]: one position per row
+        targets = torch.full_like(micro.tokens[:, 1:], self.probe_id)
+        logprobs, _ = self.engine.token_logprobs(hidden, targets, first, self.config.rollout.temperature)
+        return (logprobs.exp() * first).sum() / counts.num_sequences.clamp(min=1)
 
     def _adapt_clip(self, metrics: dict[str, float]) -> None:
         """Move the clip bounds from this step's capped fractions, global over the data-parallel ranks

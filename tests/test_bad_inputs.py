@@ -185,6 +185,8 @@ CATALOG = [
     data_row("train", ["--config", "{ws}/empty.yaml"], "data.tokenizer is not set",
              "--set data.tokenizer=PATH", id="config-empty"),
     data_row("train", quick("data.train_prompts=''"), "data.train_prompts is not set", id="prompts-unset"),
+    data_row("train", quick("logging.probe_token='12'"), "logging.probe_token: '12' encodes to 2 tokens",
+             "choose a text that is one token of data.tokenizer", id="probe-token-two-tokens"),
     data_row("train", quick("data.train_prompts={ws}/nope.jsonl"), "data.train_prompts: prompt file",
              "nope.jsonl' does not exist", id="prompts-missing"),
     data_row("train", quick("data.train_prompts={ws}/bad_json.jsonl"), "data.train_prompts: ",

@@ -1,7 +1,7 @@
 """The loss comparison tooling: the table logic of tools/plot_runs.py on hand-made series (steps to
 reach a level, ratios, runs that never reach it, final accuracy, clip fractions), its errors on bad
 input, the PNG and table from logged runs, and examples/compare_losses.sh end to end at tiny sizes
-(all four losses, one seed), rerun to check finished runs are kept."""
+(every loss, one seed), rerun to check finished runs are kept, and its fork task (TASK=fork)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tool_modules import load_tool
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-LOSSES = ["cispo", "dapo", "grpo", "reinforce"]
+LOSSES = ["cispo", "dapo", "grpo", "gspo", "reinforce"]
 
 
 
@@ -87,11 +87,11 @@ def test_comparison_table_cells_against_values_computed_by_hand():
     assert list(rows) == ["cispo", "dapo", "reinforce"]
     level_03, level_05 = "steps to 0.3 (x cispo)", "steps to 0.5 (x cispo)"
     # cispo reaches 0.3 at steps 4 and 8 (mean 6), 0.5 at 8 and 12 (mean 10).
-    assert rows["cispo"][level_03] == "6.0 (x1.00)" and rows["cispo"][level_05] == "10.0 (x1.00)"
+    assert rows["cispo"][level_03] == "6.0 [4-8] (x1.00)" and rows["cispo"][level_05] == "10.0 [8-12] (x1.00)"
     # dapo: 0.3 at 8 and 12 -> 10 / 6; 0.5 never.
-    assert rows["dapo"][level_03] == f"10.0 (x{10 / 6:.2f})"
+    assert rows["dapo"][level_03] == f"10.0 [8-12] (x{10 / 6:.2f})"
     assert rows["dapo"][level_05] == "not reached (0/2)"
-    assert rows["reinforce"][level_03] == f"8.0 (x{8 / 6:.2f})" and rows["reinforce"]["runs"] == "1"
+    assert rows["reinforce"][level_03] == f"8.0 [8-8] (x{8 / 6:.2f})" and rows["reinforce"]["runs"] == "1"
     assert rows["cispo"]["final accuracy"] == f"{0.55:.3f} +- {statistics.stdev([0.5, 0.6]):.3f}"
     assert rows["dapo"]["final accuracy"] == f"{0.35:.3f} +- {statistics.stdev([0.4, 0.3]):.3f}"
     assert rows["reinforce"]["final accuracy"] == "0.300 +- 0.000"
@@ -104,9 +104,9 @@ def test_a_reference_that_is_not_reached_or_absent_gives_no_ratio():
     runs_by_group = {"cispo": [_run([(0, 0.1), (4, 0.2)])], "dapo": [_run([(0, 0.1), (4, 0.4)])]}
     rows = _table_rows(plot_runs.comparison_table(runs_by_group, levels=[0.3], reference="cispo"))
     assert rows["cispo"]["steps to 0.3 (x cispo)"] == "not reached (0/1)"
-    assert rows["dapo"]["steps to 0.3 (x cispo)"] == "4.0"
+    assert rows["dapo"]["steps to 0.3 (x cispo)"] == "4.0 [4-4]"
     rows = _table_rows(plot_runs.comparison_table(runs_by_group, levels=[0.3], reference="grpo"))
-    assert rows["dapo"]["steps to 0.3 (x grpo)"] == "4.0"
+    assert rows["dapo"]["steps to 0.3 (x grpo)"] == "4.0 [4-4]"
 
 
 def test_mean_and_band_over_runs_use_the_runs_that_logged_each_step():
@@ -177,8 +177,8 @@ def test_logged_runs_give_a_png_and_the_table(tmp_path, capsys):
     assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
     rows = _table_rows(table.read_text().split("\n\n")[0])
     # cispo reaches 0.3 at steps 2 and 4 (mean 3), 0.5 at 4 and 4; dapo 0.3 at step 4.
-    assert rows["cispo"]["steps to 0.3 (x cispo)"] == "3.0 (x1.00)" and rows["cispo"]["runs"] == "2"
-    assert rows["dapo"]["steps to 0.3 (x cispo)"] == f"4.0 (x{4 / 3:.2f})"
+    assert rows["cispo"]["steps to 0.3 (x cispo)"] == "3.0 [2-4] (x1.00)" and rows["cispo"]["runs"] == "2"
+    assert rows["dapo"]["steps to 0.3 (x cispo)"] == f"4.0 [4-4] (x{4 / 3:.2f})"
     assert rows["dapo"]["steps to 0.5 (x cispo)"] == "not reached (0/1)"
     # Per-step fractions: 0.01 at odd steps, 0.01 + 0.01 * step at even ones (steps 1..4).
     assert rows["dapo"]["clipped high"] == f"{100 * (0.01 + 0.03 + 0.01 + 0.05) / 4:.2f}%"
@@ -191,29 +191,64 @@ def test_logged_runs_give_a_png_and_the_table(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
+def _script_env(run_dir: Path, extra: str = "", **settings: str) -> dict[str, str]:
+    """Tiny everything: 2 RL steps of 8 samples, after 3 SFT steps on 8 pairs."""
+    return dict(os.environ, SETUP="0", SEEDS="0", STEPS="2", SFT_STEPS="3", EVAL_EVERY="1", PROMPTS="2", GROUP="4",
+                NUM_TRAIN="40", NUM_TEST="4", RUN_DIR=str(run_dir),
+                EXTRA=f"--set sft.batch_size=8 --set rollout.max_sampling_rounds=1 {extra}", **settings)
+
+
+def _run_script(env: dict[str, str], cwd: Path) -> str:
+    result = subprocess.run(["bash", str(REPO / "examples" / "compare_losses.sh")], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _run_config(run_dir: Path) -> dict:
+    return json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())["config"]
+
+
 def test_compare_losses_script_makes_the_plot_and_table_for_every_loss(tmp_path):
     run_dir = tmp_path / "compare"
-    # Tiny everything: 2 RL steps of 8 samples, 2 updates each, after 3 SFT steps on 8 pairs.
-    env = dict(os.environ, SETUP="0", SEEDS="0", STEPS="2", SFT_STEPS="3", EVAL_EVERY="1", PROMPTS="2", GROUP="4",
-               UPDATES="2", NUM_TRAIN="40", NUM_TEST="4", RUN_DIR=str(run_dir),
-               EXTRA="--set sft.batch_size=8 --set rollout.max_sampling_rounds=1 --set rollout.max_new_tokens=4")
-    script = [str(REPO / "examples" / "compare_losses.sh")]
-    result = subprocess.run(["bash", *script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    png = run_dir / "compare.png"
+    env = _script_env(run_dir, "--set rollout.max_new_tokens=4", UPDATES="2")
+    _run_script(env, tmp_path)
+    png = run_dir / "compare_u2.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 10_000
     rows = _table_rows((run_dir / "table.md").read_text().split("\n\n")[0])
-    assert list(rows) == LOSSES
+    assert list(rows) == [f"{loss}_u2" for loss in LOSSES]
     assert all(row["runs"] == "1" for row in rows.values())
     for loss in LOSSES:
         # Each run trained with its own loss at the registry's (paper) parameters.
-        meta = json.loads((run_dir / f"{loss}_seed0" / "checkpoints" / "step_00000002" / "meta.json").read_text())
-        assert meta["config"]["rl"]["loss"]["name"] == loss and meta["config"]["train"]["seed"] == 0
-        assert meta["config"]["rl"]["loss"]["params"] == get_policy_loss(loss).param_defaults
+        config = _run_config(run_dir / f"{loss}_u2_seed0")
+        assert config["rl"]["loss"]["name"] == loss and config["train"]["seed"] == 0
+        assert config["rl"]["loss"]["params"] == get_policy_loss(loss).param_defaults
+        assert config["rl"]["updates_per_rollout"] == 2 and config["train"]["micro_batch_size"] == 4
     # Run again: every finished run is kept, only the plot and table are made anew.
     png.unlink()
-    again = subprocess.run(["bash", *script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [f"kept {loss}_seed0" in again.stdout for loss in LOSSES] == [True] * len(LOSSES)
-    assert "   start " not in again.stdout and "== shared SFT" not in again.stdout and "== task data" not in again.stdout
+    again = _run_script(env, tmp_path)
+    assert [f"kept {loss}_u2_seed0" in again for loss in LOSSES] == [True] * len(LOSSES)
+    assert "   start " not in again and "== shared SFT" not in again and "== task data" not in again
     assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_fork_task_comparison_measures_the_branches_and_sweeps_the_updates(tmp_path):
+    """TASK=fork: the branch measurement of the SFT start, the probe's metrics, an arm with its own
+    overrides, two updates-per-rollout values and the sweep figure."""
+    from megacispo.metrics import read_scalars
+
+    run_dir = tmp_path / "fork"
+    arm = "cispo_cap2:rl.loss.name=cispo,rl.loss.params.eps_high=1.0"
+    _run_script(_script_env(run_dir, TASK="fork", ARMS=f"dapo {arm}", UPDATES="1 2"), tmp_path)
+    branches = (run_dir / "branches.txt").read_text()
+    assert "worked branch accuracy" in branches and "marker probability at the response's start" in branches
+    rows = _table_rows((run_dir / "table.md").read_text().split("\n\n")[0])
+    assert list(rows) == ["dapo_u1", "cispo_cap2_u1", "dapo_u2", "cispo_cap2_u2"]
+    assert "marker clipped high" in next(iter(rows.values()))
+    for name in ("compare_u1.png", "compare_u2.png", "sweep.png"):
+        assert (run_dir / name).read_bytes()[:8] == PNG_SIGNATURE, name
+    config = _run_config(run_dir / "cispo_cap2_u2_seed0")
+    assert config["rl"]["loss"]["name"] == "cispo" and config["rl"]["loss"]["params"]["eps_high"] == 1.0
+    assert config["rl"]["reward"] == "numeric" and config["logging"]["probe_token"] == "~"
+    start_prob = read_scalars(run_dir / "dapo_u1_seed0")["probe/start_prob"]
+    assert [step for step, _ in start_prob] == [1, 2] and all(0 < value < 1 for _, value in start_prob)

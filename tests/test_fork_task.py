@@ -177,4 +177,4 @@ def test_fork_branches_prints_the_three_numbers(tmp_path, capsys):
     assert 0.0 < numbers["marker probability at the response's start"] < 1.0
     with pytest.raises(SystemExit) as stopped:
         load_tool("fork_branches").main(command[2:] + ["--marker", "~~~"])
-    assert stopped.value.code == 2 and "--marker '~~~' encodes to" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "--marker: '~~~' encodes to" in capsys.readouterr().err

@@ -52,6 +52,8 @@ INIT_STD = 0.3
 # Sequences to score: one across the tiny model's lightning block of 16 and odd under TP = 2.
 SCORED = [list(range(5, 46)), [7, 300, 12, 9, 411], [1, 2]]
 LOGPROB_TOLERANCE = 1e-4
+# logging.probe_token: its start probability is a mean over the batch, reduced over DP like the loss.
+PROBE_TOKEN = "1"  # quoted in the override, or YAML reads a number
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def _run_overrides(workspace: Path, run_dir: Path) -> list[str]:
         "data.tokenizer": workspace / "tok" / "tokenizer.model",
         "rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": MAX_NEW_TOKENS,
         "rollout.temperature": 0.0, "rollout.dynamic_sampling": False,
-        "rl.updates_per_rollout": 1, "optimizer.lr": LR,
+        "rl.updates_per_rollout": 1, "optimizer.lr": LR, "logging.probe_token": f"'{PROBE_TOKEN}'",
         "train.run_dir": run_dir, "train.load": workspace / "start", "train.micro_batch_size": 2,
     }
     return [f"{key}={value}" for key, value in pairs.items()]
@@ -159,6 +161,8 @@ def _rl_step_then_score(overrides: list[str], score_argv: list[str]) -> dict:
     rows = (trainer.dp_rank * len(batch) + torch.arange(len(batch))).tolist()
     batch.advantages = torch.tensor(ADVANTAGES, device=engine.device)[rows]
     batch.old_logprobs = trainer.compute_old_logprobs(batch)
+    start_probs = _probe_start_probs(trainer, batch) if parallel_state.get_tensor_model_parallel_world_size() == \
+        parallel_state.get_pipeline_model_parallel_world_size() == 1 else None
     metrics = trainer.update(batch)
     trainer.save()
 
@@ -169,6 +173,7 @@ def _rl_step_then_score(overrides: list[str], score_argv: list[str]) -> dict:
                        "old_logprobs": batch.old_logprobs[i, : length - 1]}
                  for i, (row, length) in enumerate(zip(rows, lengths))},
         "metrics": metrics,
+        "probe_start_probs": start_probs,
         "last_stage": parallel_state.is_pipeline_last_stage(),
         "expert_tp": parallel_state.get_expert_tensor_parallel_world_size(),
         "params": parameter_pieces(engine.module),
@@ -176,6 +181,15 @@ def _rl_step_then_score(overrides: list[str], score_argv: list[str]) -> dict:
     parallel_state.destroy_model_parallel()
     score.run(score_argv)
     return result
+
+
+@torch.no_grad()
+def _probe_start_probs(trainer, batch) -> torch.Tensor:
+    """[n] each row's probability of the probe token at its response's first position, from the whole
+    logits of one forward (TP = PP = 1): what the trainer's probe/start_prob averages."""
+    logits = trainer.engine.module(batch.tokens, padding_mask=batch.padding_mask).float()  # [n, S, V]
+    first = batch.loss_mask.argmax(dim=1)  # the position predicting each response's first token
+    return logits[torch.arange(len(batch)), first].softmax(dim=-1)[:, trainer.probe_id]
 
 
 @dataclass
@@ -238,6 +252,9 @@ def test_reference_step_learns_something(reference):
     for row in rank["rows"].values():
         assert row["response_length"] > 1, "every sample has a response to compare"
     assert rank["metrics"]["perf/grad_norm"] > 0 and rank["metrics"]["loss/policy_loss"] != 0
+    # The update's first forward runs on the start weights, as the rollouts did.
+    expected = rank["probe_start_probs"].mean().item()
+    assert 0 < expected < 1 and rank["metrics"]["probe/start_prob"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -279,7 +296,7 @@ def _assert_same_update(reference: LayoutRun, run: LayoutRun, name: str) -> None
     updated parameter equal the single-process step's."""
     (expected_rank,) = reference.ranks
     for rank in (r for r in run.ranks if r["last_stage"]):
-        for key in ("loss/policy_loss", "loss/entropy"):
+        for key in ("loss/policy_loss", "loss/entropy", "probe/start_prob", "probe/tokens"):
             assert rank["metrics"][key] == pytest.approx(expected_rank["metrics"][key], rel=1e-5, abs=1e-7), (name, key)
     expected = assemble([expected_rank["params"]])
     actual = assemble([rank["params"] for rank in run.ranks])

@@ -48,6 +48,19 @@ def expect(values: list[list[float]]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("name, high, low", [("cispo", 1, 0), ("dapo", 1, 1), ("grpo", 2, 1)])
+def test_probe_tokens_count_their_own_clipping(name: str, high: int, low: int):
+    """The probe covers the ratio-1.25, ratio-6 and ratio-0.5 tokens and the padding (not a loss
+    token): their clip counts are those of the closed forms above, the loss is unchanged."""
+    probe_mask = torch.tensor([[False, True, True], [True, False, True]])
+    plain_loss, plain_grad, _ = run_hand_case(name)
+    loss, grad, metrics = run_hand_case(name, probe_mask=probe_mask)
+    torch.testing.assert_close((loss, grad), (plain_loss, plain_grad), rtol=0, atol=0)
+    assert metrics["loss/probe_tokens"] == 3
+    # cispo caps r = 6 only; dapo clips r = 6 (A > 0) and r = 0.5 (A < 0); grpo also clips r = 1.25 > 1.2.
+    assert (metrics["loss/probe_clipped_high"], metrics["loss/probe_clipped_low"]) == (high, low)
+
+
 def test_cispo_closed_form_and_gradient_through_capped_tokens():
     loss, grad, metrics = run_hand_case("cispo")
     # r_hat = clip(r, 0, 5) = [1, 1.25, 5], [0.5, 1.5]; loss = -sum(r_hat * A * logp) / 5

@@ -47,14 +47,14 @@ class ForkMeasurement:
 
 
 def marker_token(tokenizer: Tokenizer, marker: str) -> int:
-    """The id of ``marker``, which must encode to exactly one token (else the branches are not a fork)."""
-    ids = tokenizer.encode(marker)
-    if len(ids) != 1:
+    """The id of ``marker``, which must be one token (else the branches are not a fork)."""
+    try:
+        return tokenizer.single_token_id(marker)
+    except ValueError as error:
         raise ValueError(
-            f"--marker {marker!r} encodes to {len(ids)} tokens {ids} with {tokenizer.path}; train the tokenizer on a "
-            "corpus holding the worked answers (make_task_data.py --sft-worked) or pass the marker it was trained with"
-        )
-    return ids[0]
+            f"--marker: {error}; train the tokenizer on a corpus holding the worked answers (make_task_data.py "
+            "--sft-worked) or pass the marker it was trained with"
+        ) from None
 
 
 def check_single_process(config: Config, world_size: int) -> None:

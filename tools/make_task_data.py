@@ -8,7 +8,9 @@ Writes, each file atomically:
                       --sft-restate P, a fraction P of the answers restate the question: "12+7=19";
                       with --sft-worked P (addition only), a fraction P of the others work the sum
                       out after the marker "~", column by column with carries, then the sum:
-                      "~2+7=9,1+0=1;19"; the numeric reward grades both kinds by the sum)
+                      "~2+7=9,1+0=1;19"; the numeric reward grades both kinds by the sum; with
+                      --sft-worked-demos Q, a fraction Q of the rest are demonstrations of the worked
+                      branch whose prompt ends with the marker: "12+7=~" -> "2+7=9,1+0=1;19")
     DIR/test.jsonl    held-out prompts, disjoint from train
     DIR/corpus.txt    text to train the tokenizer on (tools/train_tokenizer.py --input DIR/corpus.txt);
                       it holds the worked answers too, so the marker is a token
@@ -40,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sft-worked", type=float, default=0.0,
         help="fraction of SFT answers that work the sum out after a marker token (addition; issue #26's fork task)",
     )
+    parser.add_argument(
+        "--sft-worked-demos", type=float, default=0.0,
+        help="fraction of the other SFT pairs whose prompt ends with the marker and whose answer works the sum out",
+    )
     parser.add_argument("--seed", type=int, required=True, help="the same seed writes the same files")
     parser.add_argument("--digits", type=int, default=2, help=f"operands are in [0, 10**digits), 1..{MAX_DIGITS}")
     parser.add_argument("--operands", type=int, default=2, help=f"operands per problem, 2..{MAX_OPERANDS}")
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         data = generate_task_data(
             task, args.num_train, args.num_test, args.seed, num_sft=args.num_sft, sft_restate=args.sft_restate,
             sft_worked=args.sft_worked,
+            sft_worked_demos=args.sft_worked_demos,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,28 +1,37 @@
 """Compare RL runs: curves over steps into a PNG, and a table of the steps each group of runs needs
-to reach given held-out accuracies.
+to reach given held-out accuracies; optionally, a sweep figure over the updates per rollout.
 
-    python tools/plot_runs.py RUN_DIR [RUN_DIR ...] --out compare.png [--table table.md]
+    python tools/plot_runs.py RUN_DIR [RUN_DIR ...] [--out compare.png] [--table table.md]
         [--levels 0.3 0.5] [--reference cispo] [--group-by-regex '^(.*)_seed\\d+$'] [--title TEXT]
+        [--sweep sweep.png]
 
 Runs are grouped (by default by the run directory's name without its ``_seed<N>`` suffix, so
-``cispo_seed0`` and ``cispo_seed1`` form the group ``cispo``); each panel draws a group's mean over
-its runs and the min-max band. The table (markdown, printed and written to --table) gives per
-group the steps to reach each accuracy level, the ratio to the reference group, the final accuracy
-and the mean fractions of tokens the loss clipped or masked; ``COUNTING_RULES`` says how they are
-counted. Needs matplotlib (``pip install matplotlib``) for the PNG only.
+``cispo_seed0`` and ``cispo_seed1`` form the group ``cispo``, and ``cispo_u16_seed2`` belongs to
+``cispo_u16``); each panel draws a group's mean over its runs and the min-max band. The table
+(markdown, printed and written to --table) gives per group the steps to reach each accuracy level
+with their spread over seeds, the ratio to the reference group, the final accuracy, the mean
+fractions of tokens the loss clipped or masked and, where the runs log the fork task's probe,
+the fractions of marker tokens clipped; ``COUNTING_RULES`` says how they are counted.
+
+Groups named ``<arm>_u<K>`` (K: updates per rollout) are one arm at one K. When the --reference
+group does not exist, each such group's ratio divides by ``<reference>_u<K>``, the reference arm at
+the same K. --sweep draws, per level, the steps to reach it against K (one line per arm), and the
+final accuracy against K. Needs matplotlib (``pip install matplotlib``) for the PNGs only.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import re
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
+from megacispo.data import atomic_write_bytes, atomic_write_text
 from megacispo.metrics import TENSORBOARD_DIR, read_scalars
 
 Series = list[tuple[int, float]]
@@ -32,6 +41,12 @@ ACCURACY_TAG = "eval/accuracy"
 CLIP_HIGH_TAG = "loss/clip_frac_high"
 CLIP_LOW_TAG = "loss/clip_frac_low"
 MASK_TAG = "loss/mask_frac"
+# The fork task's probe (logging.probe_token): the trainer logs the clip fractions of the marker
+# tokens only at steps that sampled one, so these series may skip steps.
+PROBE_START_TAG = "probe/start_prob"
+PROBE_CLIP_HIGH_TAG = "probe/clip_frac_high"
+PROBE_CLIP_LOW_TAG = "probe/clip_frac_low"
+EPS_HIGH_TAG = "loss/eps_high_current"
 # (tag, panel title); the table needs the first and the clip fractions, so every run must hold them.
 # What "clipped" means differs by loss (PPO clip drops the token's gradient, CISPO caps its IS weight):
 # docs/cispo_vs_baselines.md explains.
@@ -42,19 +57,37 @@ REQUIRED_PANELS: tuple[tuple[str, str], ...] = (
     (CLIP_HIGH_TAG, "fraction of tokens clipped high"),
     (CLIP_LOW_TAG, "fraction of tokens clipped low"),
 )
-# Drawn where present: only losses with a token mask log it (all megacispo losses do, 0 without one).
-OPTIONAL_PANELS: tuple[tuple[str, str], ...] = ((MASK_TAG, "fraction of tokens masked"),)
+# Drawn where some run has the tag: the mask (all megacispo losses log it, 0 without one), the probe
+# (runs with logging.probe_token) and the adapted bound (runs with rl.adaptive_clip).
+OPTIONAL_PANELS: tuple[tuple[str, str], ...] = (
+    (MASK_TAG, "fraction of tokens masked"),
+    (PROBE_START_TAG, "marker probability at the response's start"),
+    (PROBE_CLIP_HIGH_TAG, "fraction of marker tokens clipped high"),
+    (PROBE_CLIP_LOW_TAG, "fraction of marker tokens clipped low"),
+    (EPS_HIGH_TAG, "eps_high (adaptive clip bound)"),
+)
+# The table's marker columns: (tag, header), shown when some run logs either tag.
+MARKER_COLUMNS: tuple[tuple[str, str], ...] = (
+    (PROBE_CLIP_HIGH_TAG, "marker clipped high"),
+    (PROBE_CLIP_LOW_TAG, "marker clipped low"),
+)
 DEFAULT_GROUP_REGEX = r"^(.*?)_seed\d+$"
+# A group of the updates-per-rollout sweep: <arm>_u<K>.
+SWEEP_GROUP_REGEX = re.compile(r"^(.+)_u(\d+)$")
 DEFAULT_LEVELS = (0.3, 0.5)
 COUNTING_RULES = (
     "Steps to reach a level: per run, the first evaluated RL step whose held-out accuracy is at least the "
     "level (step 0 is the SFT start; accuracy is evaluated every train.eval_every steps, so the count is "
-    "a multiple of it); the cell is the mean over the group's runs. 'not reached (k/n)' means only k of "
-    "its n runs reached the level within the run, and no mean is given. The ratio divides a group's mean "
-    "by the reference group's (lower is faster); it is left out where either was not reached by every "
-    "run. Final accuracy: the last evaluation of each run, mean +- sample standard deviation over runs. "
-    "Clip and mask fractions: fraction of response tokens, averaged over every update of every step, "
-    "then over runs."
+    "a multiple of it); the cell is the mean over the group's runs, then [min-max] over its runs. "
+    "'not reached (k/n: s1, s2)' means only k of its n runs reached the level within the run, at the "
+    "steps listed, and no mean is given. The ratio divides a group's mean by the reference group's "
+    "(lower is faster); where the reference group is absent, a group <arm>_u<K> divides by "
+    "<reference>_u<K> (the same updates per rollout K); it is left out where either was not reached by "
+    "every run. Final accuracy: the last evaluation of each run, mean +- sample standard deviation over "
+    "runs. Clip and mask fractions: fraction of response tokens, averaged over every update of every "
+    "step, then over runs. Marker clipped high/low (runs that log the probe): fraction of the probe's "
+    "marker tokens clipped, averaged over the steps that sampled a marker, then over the runs that "
+    "logged it ('-': none did)."
 )
 
 
@@ -77,6 +110,12 @@ def group_name(run_dir: Path, pattern: str = DEFAULT_GROUP_REGEX) -> str:
     if not match.groups():
         raise ValueError(f"--group-by-regex {pattern!r} has no capture group: wrap the group part in (...)")
     return match.group(1)
+
+
+def split_sweep_group(group: str) -> tuple[str, int] | None:
+    """(arm, K) of a group named ``<arm>_u<K>`` (K: updates per rollout); None for any other name."""
+    match = SWEEP_GROUP_REGEX.match(group)
+    return None if match is None else (match.group(1), int(match.group(2)))
 
 
 def group_runs(run_dirs: Sequence[Path], pattern: str = DEFAULT_GROUP_REGEX) -> dict[str, list[Path]]:
@@ -169,10 +208,39 @@ def mean_fraction(series_per_run: Sequence[Series]) -> float:
     return statistics.fmean(statistics.fmean(value for _, value in series) for series in series_per_run)
 
 
+def marker_fraction(runs: Sequence[Mapping[str, Series]], tag: str) -> float | None:
+    """``mean_fraction`` over the runs that logged ``tag`` (a probe series skips the steps that sampled
+    no marker, so each run's mean is over the steps it has); None when no run did."""
+    present = [run[tag] for run in runs if tag in run]
+    return mean_fraction(present) if present else None
+
+
+def reference_group(group: str, reference: str, groups: Collection[str]) -> str | None:
+    """The group whose mean steps divide ``group``'s: ``reference`` when it is a group, else
+    ``<reference>_u<K>`` for a group ``<arm>_u<K>`` (the same K) when that is one; None otherwise."""
+    if reference in groups:
+        return reference
+    split = split_sweep_group(group)
+    if split is None:
+        return None
+    same_updates = f"{reference}_u{split[1]}"
+    return same_updates if same_updates in groups else None
+
+
+def reference_label(reference: str, groups: Collection[str]) -> str:
+    """The reference as the level headers name it: ``<reference>_u<K>`` when the ratios are per K."""
+    if reference not in groups and any(reference_group(group, reference, groups) for group in groups):
+        return f"{reference}_u<K>"
+    return reference
+
+
 def format_level_cell(result: LevelResult, ratio: float | None) -> str:
+    """``mean [min-max] (xratio)``, or ``not reached (k/n: steps of the k)`` unless every run reached it."""
+    reached = sorted(step for step in result.steps if step is not None)
     if result.mean_steps is None:
-        return f"not reached ({result.num_reached}/{len(result.steps)})"
-    cell = f"{result.mean_steps:.1f}"
+        listed = f": {', '.join(str(step) for step in reached)}" if reached else ""
+        return f"not reached ({len(reached)}/{len(result.steps)}{listed})"
+    cell = f"{result.mean_steps:.1f} [{reached[0]}-{reached[-1]}]"
     return cell + (f" (x{ratio:.2f})" if ratio is not None else "")
 
 
@@ -188,35 +256,38 @@ def comparison_table(
     """The markdown table: one row per group, in the mapping's order.
 
     ``runs_by_group[group]`` holds one scalar dict per run (tag -> series) with at least
-    eval/accuracy and the clip fractions; loss/mask_frac is shown where every run of a group has it.
+    eval/accuracy and the clip fractions; loss/mask_frac is shown where every run of a group has it;
+    the marker columns are there when some run logs probe/clip_frac_*. ``reference``: see
+    ``reference_group``.
     """
-    level_headers = [f"steps to {level:g} (x {reference})" for level in levels]
-    header = ["loss", "runs", *level_headers, "final accuracy", "clipped high", "clipped low", "masked"]
+    groups = list(runs_by_group)
+    level_headers = [f"steps to {level:g} (x {reference_label(reference, groups)})" for level in levels]
+    all_runs = [run for runs in runs_by_group.values() for run in runs]
+    markers = [(tag, name) for tag, name in MARKER_COLUMNS] if any(
+        tag in run for run in all_runs for tag, _ in MARKER_COLUMNS) else []
+    header = ["arm", "runs", *level_headers, "final accuracy", "clipped high", "clipped low", "masked",
+              *(name for _, name in markers)]
     rows = [header, ["---"] * len(header)]
-    reference_results = None
-    if reference in runs_by_group:
-        reference_accuracies = [run[ACCURACY_TAG] for run in runs_by_group[reference]]
-        reference_results = [level_result(reference_accuracies, level) for level in levels]
+    results = {group: [level_result([run[ACCURACY_TAG] for run in runs], level) for level in levels]
+               for group, runs in runs_by_group.items()}
     for group, runs in runs_by_group.items():
-        accuracies = [run[ACCURACY_TAG] for run in runs]
-        cells = []
-        for index, level in enumerate(levels):
-            result = level_result(accuracies, level)
-            ratio = speed_ratio(result, reference_results[index] if reference_results else None)
-            cells.append(format_level_cell(result, ratio))
-        final_mean, final_std = mean_and_std(final_values(accuracies))
+        reference_results = results.get(reference_group(group, reference, groups))
+        cells = [format_level_cell(result, speed_ratio(result, reference_results[index] if reference_results else None))
+                 for index, result in enumerate(results[group])]
+        final_mean, final_std = mean_and_std(final_values([run[ACCURACY_TAG] for run in runs]))
         masked = mean_fraction([run[MASK_TAG] for run in runs]) if all(MASK_TAG in run for run in runs) else None
         rows.append([
             group, str(len(runs)), *cells, f"{final_mean:.3f} +- {final_std:.3f}",
             format_percent(mean_fraction([run[CLIP_HIGH_TAG] for run in runs])),
             format_percent(mean_fraction([run[CLIP_LOW_TAG] for run in runs])),
             format_percent(masked),
+            *(format_percent(marker_fraction(runs, tag)) for tag, _ in markers),
         ])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 # ---------------------------------------------------------------------------------------------
-# The plot
+# The plots: curves over steps, the sweep over K
 # ---------------------------------------------------------------------------------------------
 
 
@@ -232,19 +303,86 @@ def aggregate_over_runs(series_per_run: Sequence[Series]) -> tuple[list[int], li
             [max(by_step[s]) for s in steps])
 
 
-def plot_runs(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], out: Path, title: str = "") -> None:
-    """One panel per tag, each group's mean over its runs with the min-max band, into a PNG."""
+@dataclass(frozen=True)
+class SweepPoint:
+    """One arm at one number of updates per rollout: a value per run of the group ``<arm>_u<K>``."""
+
+    updates: int
+    """K, the updates per rollout."""
+    values: tuple[float | None, ...]
+    """Per run; None where the run has none (it did not reach the level)."""
+
+    @property
+    def present(self) -> list[float]:
+        return [value for value in self.values if value is not None]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.present) == len(self.values)
+
+
+SweepValue = Callable[[Mapping[str, Series]], float | None]
+"""A run's value for one sweep panel (its steps to a level, its final accuracy)."""
+
+
+def sweep_points(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]],
+                 value_of: SweepValue) -> dict[str, list[SweepPoint]]:
+    """Per arm (in the order groups first name it), one point per K (ascending) from the groups named
+    ``<arm>_u<K>``; other groups are left out."""
+    by_arm: dict[str, list[SweepPoint]] = {}
+    for group, runs in runs_by_group.items():
+        split = split_sweep_group(group)
+        if split is not None:
+            arm, updates = split
+            by_arm.setdefault(arm, []).append(SweepPoint(updates, tuple(value_of(run) for run in runs)))
+    return {arm: sorted(points, key=lambda point: point.updates) for arm, points in by_arm.items()}
+
+
+def steps_to_level(level: float) -> SweepValue:
+    """A run's steps to reach ``level`` (None if it never did)."""
+    return lambda run: steps_to_reach(run[ACCURACY_TAG], level)
+
+
+def final_accuracy(run: Mapping[str, Series]) -> float:
+    return final_values([run[ACCURACY_TAG]])[0]
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only back-end."""
     import matplotlib  # optional: the plot extra (pip install -e .[plot])
 
     matplotlib.use("Agg")  # no display: write files only
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(figure: Any, out: Path) -> None:
+    """The figure as a PNG at ``out``, written atomically, and closed."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    _pyplot().close(figure)
+    atomic_write_bytes(out, buffer.getvalue())
+
+
+def _panel_grid(num_panels: int, plt: Any) -> tuple[Any, Any]:
+    """A figure of up to 3 panels a row; the cells past ``num_panels`` hidden."""
+    num_columns = min(3, num_panels)
+    num_rows = math.ceil(num_panels / num_columns)
+    figure, axes = plt.subplots(num_rows, num_columns, figsize=(5 * num_columns, 3.6 * num_rows), squeeze=False)
+    for axis in axes.flat[num_panels:]:
+        axis.set_visible(False)
+    return figure, axes
+
+
+def plot_runs(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], out: Path, title: str = "") -> None:
+    """One panel per tag, each group's mean over its runs with the min-max band, into a PNG."""
+    plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
     all_runs = [run for runs in runs_by_group.values() for run in runs]
     panels = [*REQUIRED_PANELS, *((tag, name) for tag, name in OPTIONAL_PANELS if any(tag in run for run in all_runs))]
-    num_columns = 3
-    num_rows = math.ceil(len(panels) / num_columns)
-    figure, axes = plt.subplots(num_rows, num_columns, figsize=(5 * num_columns, 3.6 * num_rows), squeeze=False)
+    figure, axes = _panel_grid(len(panels), plt)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, (tag, name) in zip(axes.flat, panels):
         for index, (group, runs) in enumerate(runs_by_group.items()):
@@ -253,7 +391,8 @@ def plot_runs(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], out: 
                 continue
             steps, mean, low, high = aggregate_over_runs(present)
             color = colors[index % len(colors)]
-            marker = "o" if tag == ACCURACY_TAG else None
+            # Evaluations and the probe's clip fractions skip steps: markers show the steps that have a value.
+            marker = "o" if tag in (ACCURACY_TAG, PROBE_CLIP_HIGH_TAG, PROBE_CLIP_LOW_TAG) else None
             axis.plot(steps, mean, color=color, marker=marker, markersize=3, label=f"{group} (n={len(present)})")
             axis.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
         axis.set_title(name, fontsize=10)
@@ -261,14 +400,60 @@ def plot_runs(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], out: 
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.ticklabel_format(axis="y", useOffset=False)
         axis.grid(alpha=0.3)
-    for axis in axes.flat[len(panels):]:
-        axis.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     figure.suptitle(title or "mean over runs, band: min to max")
     figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
+    _save(figure, out)
+
+
+def plot_sweep(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], levels: Sequence[float], out: Path,
+               title: str = "") -> None:
+    """Against K (the updates per rollout, log 2 axis), one panel per level with each arm's steps to
+    reach it and one with its final accuracy: the mean over runs, bar from min to max. A K where only
+    some runs reached the level has a hollow marker at their mean, labelled k/n; none: no marker."""
+    plt = _pyplot()
+    from matplotlib.ticker import NullLocator
+
+    panels: list[tuple[str, SweepValue]] = [
+        *((f"RL steps to reach accuracy {level:g}", steps_to_level(level)) for level in levels),
+        ("final held-out accuracy", final_accuracy),
+    ]
+    updates = sorted({split[1] for split in map(split_sweep_group, runs_by_group) if split is not None})
+    figure, axes = _panel_grid(len(panels), plt)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for axis, (name, value_of) in zip(axes.flat, panels):
+        by_arm = sweep_points(runs_by_group, value_of)
+        for index, (arm, points) in enumerate(by_arm.items()):
+            _draw_sweep_arm(axis, [point for point in points if point.present], colors[index % len(colors)], arm,
+                            # Arms side by side at each K, so their bars do not overlap.
+                            dodge=2 ** (0.04 * (index - (len(by_arm) - 1) / 2)))
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(updates, [str(k) for k in updates])
+        axis.xaxis.set_minor_locator(NullLocator())
+        axis.set_xlim(updates[0] / 1.5, updates[-1] * 1.5)
+        axis.set_title(name, fontsize=10)
+        axis.set_xlabel("updates per rollout (K)")
+        axis.grid(alpha=0.3)
+    # The final accuracy panel: the one where every arm has points.
+    axes.flat[len(panels) - 1].legend(fontsize=8)
+    figure.suptitle(title or "mean over runs, bar: min to max; hollow: only k of n runs reached the level")
+    figure.tight_layout()
+    _save(figure, out)
+
+
+def _draw_sweep_arm(axis: Any, points: Sequence[SweepPoint], color: str, arm: str, dodge: float) -> None:
+    """One arm's line through its points' means, each with its min-max bar and, where incomplete,
+    a hollow marker and its k/n."""
+    xs = [point.updates * dodge for point in points]
+    means = [statistics.fmean(point.present) for point in points]
+    axis.plot(xs, means, color=color, label=arm)
+    for x, mean, point in zip(xs, means, points):
+        bar = [[mean - min(point.present)], [max(point.present) - mean]]
+        axis.errorbar([x], [mean], yerr=bar, fmt="o", color=color, capsize=3,
+                      markerfacecolor=color if point.complete else "none")
+        if not point.complete:
+            axis.annotate(f"{len(point.present)}/{len(point.values)}", (x, mean), textcoords="offset points",
+                          xytext=(5, 4), fontsize=7, color=color)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,14 +464,19 @@ def plot_runs(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], out: 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path, help="train.run_dir of each run")
-    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    parser.add_argument("--out", type=Path, default=None, help="write the curves to this PNG")
     parser.add_argument("--table", type=Path, default=None, help="also write the markdown table here")
     parser.add_argument("--levels", type=float, nargs="+", default=list(DEFAULT_LEVELS),
                         help="held-out accuracy levels for the steps-to-reach columns, in [0, 1]")
-    parser.add_argument("--reference", default="cispo", help="the group the ratios divide by")
+    parser.add_argument("--reference", default="cispo",
+                        help="the group the ratios divide by; when there is no such group, a group <arm>_u<K> "
+                             "divides by <reference>_u<K> (the same updates per rollout K)")
     parser.add_argument("--group-by-regex", default=DEFAULT_GROUP_REGEX,
                         help="regex on the run directory name; its first capture group names the group")
     parser.add_argument("--title", default="", help="the figure's title")
+    parser.add_argument("--sweep", type=Path, default=None,
+                        help="also write this PNG: per level the steps to reach it, and the final accuracy, against "
+                             "K for the groups named <arm>_u<K> (K: updates per rollout)")
     return parser.parse_args(argv)
 
 
@@ -296,22 +486,34 @@ def main(argv: list[str] | None = None) -> int:
         bad_levels = [level for level in args.levels if not 0 <= level <= 1]
         if bad_levels:
             raise ValueError(f"--levels {bad_levels[0]} is not an accuracy: give levels in [0, 1], e.g. 0.3 0.5")
+        if not (args.out or args.table or args.sweep):
+            raise ValueError("nothing to write: give --out PNG, --table MD or --sweep PNG")
+        groups = group_runs(args.run_dirs, args.group_by_regex)
+        if args.sweep and not any(split_sweep_group(group) for group in groups):
+            raise ValueError(
+                f"--sweep {args.sweep}: no group is named <arm>_u<K> (groups: {', '.join(groups)}): name the runs "
+                "<arm>_u<K>_seed<N> (K: updates per rollout), or leave --sweep out"
+            )
         required = [tag for tag, _ in REQUIRED_PANELS]
         runs_by_group = {group: [load_run(run_dir, required) for run_dir in run_dirs]
-                         for group, run_dirs in group_runs(args.run_dirs, args.group_by_regex).items()}
+                         for group, run_dirs in groups.items()}
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     table = comparison_table(runs_by_group, args.levels, args.reference)
-    plot_runs(runs_by_group, args.out, args.title)
+    if args.out:
+        plot_runs(runs_by_group, args.out, args.title)
+    if args.sweep:
+        plot_sweep(runs_by_group, args.levels, args.sweep, args.title)
     print(table)
     print()
     print(COUNTING_RULES)
     if args.table:
-        args.table.parent.mkdir(parents=True, exist_ok=True)
-        args.table.write_text(f"{table}\n\n{COUNTING_RULES}\n")
+        atomic_write_text(args.table, f"{table}\n\n{COUNTING_RULES}\n")
         print(f"wrote {args.table}")
-    print(f"wrote {args.out}")
+    for written in (args.out, args.sweep):
+        if written:
+            print(f"wrote {written}")
     return 0
 
 
