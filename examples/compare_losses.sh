@@ -22,6 +22,8 @@
 #   EVAL_EVERY [4 / 4] steps between evaluations   NUM_TRAIN [4000] NUM_TEST [200] task problems
 #   LEVELS [0.5 0.6 0.65 / 0.3 0.5 0.6] accuracies for the table
 #   RUN_DIR [runs/compare / runs/compare_fork] (relative to the repository)
+#   REPORT [RUN_DIR] where the plots and the table go: another directory compares other arms on the
+#   same start, reusing the finished runs the two share (docs/cispo_vs_baselines.md, adaptive clipping)
 #   SETUP [1] (0 skips tools/setup_env.sh: the environment is already there)
 #   EXTRA   more --set overrides for the SFT and every RL run, e.g. EXTRA="--set rollout.temperature=0.8"
 # A run directory holding a finished run of STEPS steps is kept (delete it to rerun that run), an
@@ -53,6 +55,7 @@ case "$TASK" in
         exit 2
         ;;
 esac
+REPORT="${REPORT:-$RUN_DIR}"
 ARMS="${ARMS:-cispo dapo grpo gspo reinforce}"
 SEEDS="${SEEDS:-0 1 2}"
 JOBS="${JOBS:-2}"
@@ -185,15 +188,16 @@ if [ "$failed" != 0 ]; then
     exit 1
 fi
 
-echo "== plots and table"
+echo "== plots and table (in $REPORT)"
+mkdir -p "$REPORT"
 for updates in $UPDATES; do
     # shellcheck disable=SC2207  # run directory names have no spaces
     runs=($(printf '%s\n' "${run_dirs[@]}" | grep "_u${updates}_seed"))
-    $py tools/plot_runs.py "${runs[@]}" --out "$RUN_DIR/compare_u${updates}.png" \
+    $py tools/plot_runs.py "${runs[@]}" --out "$REPORT/compare_u${updates}.png" \
         --title "$TASK, $updates update(s) per rollout: mean over seeds, band: min to max" >/dev/null
 done
 sweep=()
-[ "$(wc -w <<<"$UPDATES")" -gt 1 ] && sweep=(--sweep "$RUN_DIR/sweep.png")
+[ "$(wc -w <<<"$UPDATES")" -gt 1 ] && sweep=(--sweep "$REPORT/sweep.png")
 # shellcheck disable=SC2086  # LEVELS is a list of numbers
-$py tools/plot_runs.py "${run_dirs[@]}" --table "$RUN_DIR/table.md" "${sweep[@]}" --levels $LEVELS --reference cispo
+$py tools/plot_runs.py "${run_dirs[@]}" --table "$REPORT/table.md" "${sweep[@]}" --levels $LEVELS --reference cispo
 echo "total: $SECONDS s"

@@ -252,3 +252,26 @@ def test_fork_task_comparison_measures_the_branches_and_sweeps_the_updates(tmp_p
     assert config["rl"]["reward"] == "numeric" and config["logging"]["probe_token"] == "~"
     start_prob = read_scalars(run_dir / "dapo_u1_seed0")["probe/start_prob"]
     assert [step for step, _ in start_prob] == [1, 2] and all(0 < value < 1 for _, value in start_prob)
+
+
+def test_adaptive_clip_comparison_runs_every_cap_and_target(tmp_path):
+    """examples/compare_adaptive_clip.sh on the fork task: the fixed caps and the adaptive targets as
+    arms, the plain cispo runs of the loss comparison kept, the adapted bound logged and moving."""
+    from megacispo.metrics import read_scalars
+
+    run_dir = tmp_path / "fork"
+    env = _script_env(run_dir, TASK="fork", ARMS="cispo", UPDATES="2")
+    _run_script(env, tmp_path)
+    env.update(TASKS="fork", UPDATES="2")
+    del env["ARMS"], env["TASK"]
+    result = subprocess.run(["bash", str(REPO / "examples" / "compare_adaptive_clip.sh")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "kept cispo_u2_seed0" in result.stdout
+    rows = _table_rows((run_dir / "adaptive_clip" / "table.md").read_text().split("\n\n")[0])
+    assert list(rows) == [f"{arm}_u2" for arm in ("cispo_cap1.2", "cispo_cap2", "cispo", "cispo_cap8",
+                                                  "cispo_target0.001", "cispo_target0.01")]
+    assert _run_config(run_dir / "cispo_cap1.2_u2_seed0")["rl"]["loss"]["params"]["eps_high"] == 0.2
+    assert _run_config(run_dir / "cispo_target0.01_u2_seed0")["rl"]["adaptive_clip"]["target_capped_frac"] == 0.01
+    bound = [value for _, value in read_scalars(run_dir / "cispo_target0.01_u2_seed0")["loss/eps_high_current"]]
+    assert len(bound) == 2 and bound[0] != bound[1] != 4.0

@@ -90,11 +90,39 @@ def test_worked_and_restated_answers_share_the_sft_pairs():
     assert kinds["worked"] > 300 and kinds["restated"] > 800
 
 
+def test_demonstrations_continue_after_the_marker_in_the_prompt(tmp_path):
+    """sft_worked_demos: a share of the bare answers becomes the worked answer after a prompt that
+    ends with the marker; worked answers stay as they were; the prompt's ids are the plain prompt's
+    and the marker's, so SFT conditions on exactly what a rollout that sampled the marker holds."""
+    task = ArithmeticTask("addition", digits=3)
+    worked = generate_task_data(task, 3000, 50, seed=2, sft_worked=0.05)
+    demos = generate_task_data(task, 3000, 50, seed=2, sft_worked=0.05, sft_worked_demos=0.3)
+    assert demos.train == worked.train and demos.test == worked.test
+    num_demos = 0
+    for mixed, alone, true in zip(demos.sft, worked.sft, worked.train):
+        if mixed.prompt.endswith(WORKED_MARKER):
+            assert alone == true, "only bare answers become demonstrations"
+            assert mixed.prompt == true.prompt + WORKED_MARKER
+            check_worked(WORKED_MARKER + mixed.answer, [int(operand) for operand in true.prompt[:-1].split("+")])
+            num_demos += 1
+        else:
+            assert mixed == alone
+    assert abs(num_demos - 0.3 * 0.95 * 3000) < 4 * (3000 * 0.3 * 0.7) ** 0.5
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(line + "\n" for line in demos.corpus_lines()))
+    assert load_tool("train_tokenizer").main(["--input", str(corpus), "--vocab-size", "512", "--out", str(tmp_path)]) == 0
+    tokenizer = Tokenizer.load(tmp_path)
+    demo = next(record for record in demos.sft if record.prompt.endswith(WORKED_MARKER))
+    assert tokenizer.encode(demo.prompt) == tokenizer.encode(demo.prompt[:-1]) + tokenizer.encode(WORKED_MARKER)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"task": ArithmeticTask("addition"), "sft_worked": 1.2}, "sft_worked=1.2 must be a probability"),
         ({"task": ArithmeticTask("add_sub"), "sft_worked": 0.1}, "needs task 'addition'"),
+        ({"task": ArithmeticTask("addition"), "sft_worked_demos": -0.1}, "sft_worked_demos=-0.1 must be a probability"),
+        ({"task": ArithmeticTask("subtraction"), "sft_worked_demos": 0.1}, "sft_worked_demos=0.1 needs task 'addition'"),
     ],
 )
 def test_worked_teacher_rejects_bad_settings(kwargs, message):
