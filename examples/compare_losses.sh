@@ -153,40 +153,18 @@ rl_run() {
 }
 
 echo "== RL runs: arms [$ARMS] x updates per rollout [$UPDATES] x seeds [$SEEDS], $JOBS at once, $STEPS steps each (logs: $RUN_DIR/logs)"
+source "$repo/examples/rl_queue.sh"
 run_dirs=()
-pids=()
-failed=0
-start=$SECONDS
 for updates in $UPDATES; do
     for arm in $ARMS; do
         for seed in $SEEDS; do
             name="${arm%%:*}_u${updates}_seed${seed}"
             run_dirs+=("$RUN_DIR/$name")
-            if [ -d "$RUN_DIR/$name/checkpoints/step_$(printf '%08d' "$STEPS")" ]; then
-                echo "   kept $name (finished earlier)"
-                continue
-            fi
-            # Events of an interrupted attempt would mix with the new run's.
-            rm -rf "${RUN_DIR:?}/$name"
-            # Wait for a free slot: reap the oldest running job before starting another.
-            while [ "${#pids[@]}" -ge "$JOBS" ]; do
-                wait "${pids[0]}" || failed=1
-                pids=("${pids[@]:1}")
-            done
-            echo "   start $name"
-            rl_run "$arm" "$updates" "$seed" "$name" &
-            pids+=("$!")
+            queue_run "$name" rl_run "$arm" "$updates" "$seed" "$name"
         done
     done
 done
-for pid in "${pids[@]}"; do
-    wait "$pid" || failed=1
-done
-echo "   RL runs took $(( SECONDS - start )) s"
-if [ "$failed" != 0 ]; then
-    echo "some RL runs failed (logs above); no plot" >&2
-    exit 1
-fi
+wait_runs || exit 1
 
 echo "== plots and table (in $REPORT)"
 mkdir -p "$REPORT"

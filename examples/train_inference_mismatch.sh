@@ -98,36 +98,16 @@ rl_run() {
 }
 
 echo "== RL runs: arms [${ARM_ORDER[*]}] x seeds [$SEEDS], $JOBS at once, $STEPS steps each (logs: $RUN_DIR/logs)"
+source "$repo/examples/rl_queue.sh"
 run_dirs=()
-pids=()
-failed=0
-start=$SECONDS
 for seed in $SEEDS; do
     for arm in "${ARM_ORDER[@]}"; do
         name="${arm}_seed${seed}"
         run_dirs+=("$RUN_DIR/$name")
-        if [ -d "$RUN_DIR/$name/checkpoints/step_$(printf '%08d' "$STEPS")" ]; then
-            echo "   kept $name (finished earlier)"
-            continue
-        fi
-        rm -rf "${RUN_DIR:?}/$name"
-        while [ "${#pids[@]}" -ge "$JOBS" ]; do
-            wait "${pids[0]}" || failed=1
-            pids=("${pids[@]:1}")
-        done
-        echo "   start $name"
-        rl_run "$arm" "$seed" &
-        pids+=("$!")
+        queue_run "$name" rl_run "$arm" "$seed"
     done
 done
-for pid in "${pids[@]}"; do
-    wait "$pid" || failed=1
-done
-echo "   RL runs took $(( SECONDS - start )) s"
-if [ "$failed" != 0 ]; then
-    echo "some RL runs failed (logs above); no plot" >&2
-    exit 1
-fi
+wait_runs || exit 1
 
 echo "== plot and table"
 # tools/plot_runs.py's reading, grouping and drawing, with the mismatch metrics as its extra panels,

@@ -58,13 +58,16 @@ def test_the_first_column_is_the_arm_and_the_marker_columns_need_a_run_that_logs
     assert not any("marker" in column for column in header)
     with_probe = {
         # The probe's series skip the steps that sampled no marker: the mean is over the logged ones.
-        "cispo": [_run([(0, 0.1), (4, 0.3)], probe__clip_frac_high=[(1, 0.2), (3, 0.4)], probe__clip_frac_low=[(3, 0.1)]),
-                  _run([(0, 0.1), (4, 0.3)], probe__clip_frac_high=[(2, 0.1)]),
+        "cispo": [_run([(0, 0.1), (4, 0.3)], probe__clip_frac_high=[(1, 0.2), (3, 0.4)], probe__clip_frac_low=[(3, 0.1)],
+                       probe__start_prob=[(1, 0.2), (2, 0.6), (3, 0.4)]),
+                  _run([(0, 0.1), (4, 0.3)], probe__clip_frac_high=[(2, 0.1)], probe__start_prob=[(1, 0.5)]),
                   _run([(0, 0.1), (4, 0.3)])],  # no marker sampled at all: left out of the mean over runs
         "dapo": [_run([(0, 0.1), (4, 0.3)])],
     }
     header, rows = _table_rows(plot_runs.comparison_table(with_probe, levels=[0.3]))
-    assert header[-2:] == ["marker clipped high", "marker clipped low"]
+    assert header[-3:] == ["marker clipped high", "marker clipped low", "steps to marker p 0.5"]
+    # The start probability first reaches 0.5 at step 2 and step 1; the third run never logged it.
+    assert rows["cispo"]["steps to marker p 0.5"] == "not reached (2/3: 1, 2)"
     assert rows["cispo"]["marker clipped high"] == f"{100 * (0.3 + 0.1) / 2:.2f}%"
     assert rows["cispo"]["marker clipped low"] == "10.00%"
     assert rows["dapo"]["marker clipped high"] == "-" and rows["dapo"]["marker clipped low"] == "-"
@@ -175,12 +178,14 @@ def test_main_on_a_sweep_writes_the_curves_the_sweep_and_the_table(tmp_path, cap
     header, rows = _table_rows(table.read_text().split("\n\n")[0])
     assert list(rows) == ["cispo_u1", "cispo_u4", "dapo_u1", "dapo_u4"]
     assert header == ["arm", "runs", "steps to 0.3 (x cispo_u<K>)", "steps to 0.5 (x cispo_u<K>)", "final accuracy",
-                      "clipped high", "clipped low", "masked", "marker clipped high", "marker clipped low"]
+                      "clipped high", "clipped low", "masked", "marker clipped high", "marker clipped low",
+                      "steps to marker p 0.5"]
     level_03, level_05 = header[2:4]
     assert rows["dapo_u1"][level_03] == "4.0 [4-4] (x2.00)" and rows["dapo_u4"][level_03] == "2.0 [2-2] (x1.00)"
     assert rows["dapo_u1"][level_05] == "not reached (0/1)" and rows["cispo_u4"][level_05] == "2.0 [2-2] (x1.00)"
     assert rows["dapo_u4"]["marker clipped high"] == "20.00%" and rows["dapo_u4"]["marker clipped low"] == "5.00%"
     assert rows["cispo_u1"]["marker clipped high"] == "-"
+    assert rows["cispo_u1"]["steps to marker p 0.5"] == "not reached (0/1)", "start probability 0.3 throughout"
     printed = capsys.readouterr().out
     assert f"wrote {sweep}" in printed and plot_runs.COUNTING_RULES in table.read_text()
 

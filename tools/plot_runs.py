@@ -71,6 +71,9 @@ MARKER_COLUMNS: tuple[tuple[str, str], ...] = (
     (PROBE_CLIP_HIGH_TAG, "marker clipped high"),
     (PROBE_CLIP_LOW_TAG, "marker clipped low"),
 )
+# With the marker columns: the RL steps until the marker's start probability (logged every step) first
+# reaches this level, how fast each arm learns to take the branch.
+MARKER_LEVEL = 0.5
 DEFAULT_GROUP_REGEX = r"^(.*?)_seed\d+$"
 # A group of the updates-per-rollout sweep: <arm>_u<K>.
 SWEEP_GROUP_REGEX = re.compile(r"^(.+)_u(\d+)$")
@@ -87,7 +90,9 @@ COUNTING_RULES = (
     "runs. Clip and mask fractions: fraction of response tokens, averaged over every update of every "
     "step, then over runs. Marker clipped high/low (runs that log the probe): fraction of the probe's "
     "marker tokens clipped, averaged over the steps that sampled a marker, then over the runs that "
-    "logged it ('-': none did)."
+    "logged it ('-': none did). Steps to marker p: per run, the first RL step whose mean start "
+    "probability of the marker over the rollout batch (logged every step) is at least the level; mean "
+    "and [min-max] over runs as above."
 )
 
 
@@ -266,7 +271,7 @@ def comparison_table(
     markers = [(tag, name) for tag, name in MARKER_COLUMNS] if any(
         tag in run for run in all_runs for tag, _ in MARKER_COLUMNS) else []
     header = ["arm", "runs", *level_headers, "final accuracy", "clipped high", "clipped low", "masked",
-              *(name for _, name in markers)]
+              *(name for _, name in markers), *([f"steps to marker p {MARKER_LEVEL:g}"] if markers else [])]
     rows = [header, ["---"] * len(header)]
     results = {group: [level_result([run[ACCURACY_TAG] for run in runs], level) for level in levels]
                for group, runs in runs_by_group.items()}
@@ -282,6 +287,8 @@ def comparison_table(
             format_percent(mean_fraction([run[CLIP_LOW_TAG] for run in runs])),
             format_percent(masked),
             *(format_percent(marker_fraction(runs, tag)) for tag, _ in markers),
+            *([format_level_cell(level_result([run.get(PROBE_START_TAG, []) for run in runs], MARKER_LEVEL), None)]
+              if markers else []),
         ])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
