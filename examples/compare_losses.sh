@@ -18,7 +18,7 @@
 #   UPDATES [16 / 1 4 16] optimizer steps per rollout batch, each on PROMPTS*GROUP/UPDATES samples
 #   STEPS [40 / 40] RL steps per run   LR [5e-5] RL learning rate (constant after warm-up)
 #   PROMPTS [32 / 16] prompts per rollout batch   GROUP [8] samples per prompt
-#   SFT_STEPS [700 / 1000] steps of the shared warm start, of a 1000-step cosine
+#   SFT_STEPS [800 / 1000] steps of the shared warm start, of a 1000-step cosine
 #   EVAL_EVERY [4 / 4] steps between evaluations   NUM_TRAIN [4000] NUM_TEST [200] task problems
 #   LEVELS [0.5 0.6 0.65 / 0.3 0.5 0.6] accuracies for the table
 #   RUN_DIR [runs/compare / runs/compare_fork] (relative to the repository)
@@ -41,7 +41,7 @@ case "$TASK" in
     addition)
         CONFIG=examples/configs/compare_losses_cpu.yaml
         task_args=(--digits 2)
-        : "${UPDATES:=16}" "${PROMPTS:=32}" "${SFT_STEPS:=700}" "${LEVELS:=0.5 0.6 0.65}" "${RUN_DIR:=runs/compare}"
+        : "${UPDATES:=16}" "${PROMPTS:=32}" "${SFT_STEPS:=800}" "${LEVELS:=0.5 0.6 0.65}" "${RUN_DIR:=runs/compare}"
         ;;
     fork)
         CONFIG=examples/configs/compare_fork_cpu.yaml
@@ -106,8 +106,8 @@ fi
 if [ ! -d "$RUN_DIR/sft/checkpoints" ]; then
     echo "== shared SFT warm start (2 processes, EP=2; log: $RUN_DIR/logs/sft.log)"
     # The quick start's config and layout, stopped at SFT_STEPS of a 1000-step cosine. For addition
-    # (exact answers) 700 steps leave a partly trained model (held-out accuracy about 0.4) with room
-    # to climb; SFT is chaotic around its jump in accuracy, so the stop step sets the start. The
+    # (exact answers) 800 steps leave a partly trained model with room to climb; SFT is chaotic
+    # around its jump in accuracy, so the stop step sets the start (docs/cispo_vs_baselines.md). The
     # checkpoint reshards to the RL runs' one process.
     .venv/bin/torchrun --standalone --nproc-per-node 2 -m megacispo.sft --config examples/configs/quickstart_cpu.yaml \
         "${paths[@]}" --set "sft.steps=$SFT_STEPS" --set sft.decay_steps=1000 \
