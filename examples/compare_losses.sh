@@ -20,7 +20,7 @@
 #   PROMPTS [32 / 16] prompts per rollout batch   GROUP [8] samples per prompt
 #   SFT_STEPS [800 / 1000] steps of the shared warm start, of a 1000-step cosine
 #   EVAL_EVERY [4 / 4] steps between evaluations   NUM_TRAIN [4000] NUM_TEST [200] task problems
-#   LEVELS [0.5 0.6 0.65 / 0.3 0.5 0.6] accuracies for the table
+#   LEVELS [0.5 0.6 0.65 / 0.2 0.4 0.6] accuracies for the table
 #   RUN_DIR [runs/compare / runs/compare_fork] (relative to the repository)
 #   REPORT [RUN_DIR] where the plots and the table go: another directory compares other arms on the
 #   same start, reusing the finished runs the two share (docs/cispo_vs_baselines.md, adaptive clipping)
@@ -45,10 +45,10 @@ case "$TASK" in
         ;;
     fork)
         CONFIG=examples/configs/compare_fork_cpu.yaml
-        # 30% of the other SFT answers demonstrate the worked branch after a given marker: the model
+        # 60% of the other SFT answers demonstrate the worked branch after a given marker: the model
         # learns to carry it out without learning to take it (megacispo/tasks.py).
-        task_args=(--digits 3 --sft-worked 0.03 --sft-worked-demos 0.3)
-        : "${UPDATES:=1 4 16}" "${PROMPTS:=16}" "${SFT_STEPS:=1000}" "${LEVELS:=0.3 0.5 0.6}" "${RUN_DIR:=runs/compare_fork}"
+        task_args=(--digits 3 --sft-worked 0.03 --sft-worked-demos 0.6)
+        : "${UPDATES:=1 4 16}" "${PROMPTS:=16}" "${SFT_STEPS:=1000}" "${LEVELS:=0.2 0.4 0.6}" "${RUN_DIR:=runs/compare_fork}"
         ;;
     *)
         echo "TASK=$TASK is not a task: use addition or fork" >&2
