@@ -20,7 +20,7 @@
 #   PROMPTS [32 / 16] prompts per rollout batch   GROUP [8] samples per prompt
 #   SFT_STEPS [800 / 1000] steps of the shared warm start, of a 1000-step cosine
 #   EVAL_EVERY [4 / 4] steps between evaluations   NUM_TRAIN [4000] NUM_TEST [200] task problems
-#   LEVELS [0.5 0.6 0.65 / 0.2 0.4 0.6] accuracies for the table
+#   LEVELS [0.35 0.4 0.45 / 0.2 0.4 0.6] accuracies for the table
 #   RUN_DIR [runs/compare / runs/compare_fork] (relative to the repository)
 #   REPORT [RUN_DIR] where the plots and the table go: another directory compares other arms on the
 #   same start, reusing the finished runs the two share (docs/cispo_vs_baselines.md, adaptive clipping)
@@ -41,7 +41,7 @@ case "$TASK" in
     addition)
         CONFIG=examples/configs/compare_losses_cpu.yaml
         task_args=(--digits 2)
-        : "${UPDATES:=16}" "${PROMPTS:=32}" "${SFT_STEPS:=800}" "${LEVELS:=0.5 0.6 0.65}" "${RUN_DIR:=runs/compare}"
+        : "${UPDATES:=16}" "${PROMPTS:=32}" "${SFT_STEPS:=800}" "${LEVELS:=0.35 0.4 0.45}" "${RUN_DIR:=runs/compare}"
         ;;
     fork)
         CONFIG=examples/configs/compare_fork_cpu.yaml
