@@ -32,6 +32,7 @@ from megacispo.evaluation import (
     pass_at_k_values,
 )
 from multiprocess_harness import run_distributed
+from parallel_case import save_random_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_SAMPLES = 4
@@ -117,21 +118,8 @@ def workspace(tmp_path_factory) -> Path:
                    cwd=REPO, check=True, capture_output=True)
     subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(root / "task" / "corpus.txt"),
                     "--vocab-size", "512", "--out", str(root / "tok")], cwd=REPO, check=True, capture_output=True)
-    run_distributed(_save_checkpoint, 1, str(root / "checkpoints"))
+    run_distributed(save_random_tiny_checkpoint, 1, str(root / "checkpoints"), STEP, INIT_STD)
     return root
-
-
-def _save_checkpoint(root: str) -> None:
-    from megacispo.checkpoint import save_checkpoint
-    from megacispo.config import Config, to_dict
-    from megacispo.models.config import model_config, transformer_config
-    from megacispo.models.model import HybridModel
-    from megacispo.parallel.layout import ParallelConfig, init_distributed
-
-    config, parallel = model_config("tiny"), ParallelConfig()
-    init_distributed(parallel, seed=3)
-    model = HybridModel(config, transformer_config(config, parallel, init_method_std=INIT_STD))
-    save_checkpoint(root, STEP, model, config_dict=to_dict(Config(model=config)), keep_last=None)
 
 
 def _overrides(workspace: Path, run_dir: Path) -> list[str]:

@@ -19,6 +19,7 @@ from megacispo.rewards import numeric
 from megacispo.tasks import WORKED_MARKER, ArithmeticTask, generate_task_data, worked_answer
 from megacispo.tokenizer import Tokenizer
 from multiprocess_harness import run_distributed
+from parallel_case import save_random_tiny_checkpoint
 from tool_modules import load_tool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,26 +168,13 @@ def test_default_files_are_unchanged_and_the_marker_is_one_token(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _save_checkpoint(root: str) -> None:
-    from megacispo.checkpoint import save_checkpoint
-    from megacispo.config import Config, to_dict
-    from megacispo.models.config import model_config, transformer_config
-    from megacispo.models.model import HybridModel
-    from megacispo.parallel.layout import ParallelConfig, init_distributed
-
-    config, parallel = model_config("tiny"), ParallelConfig()
-    init_distributed(parallel, seed=3)
-    model = HybridModel(config, transformer_config(config, parallel, init_method_std=0.3))
-    save_checkpoint(root, 1, model, config_dict=to_dict(Config(model=config)), keep_last=None)
-
-
 def test_fork_branches_prints_the_three_numbers(tmp_path, capsys):
     subprocess.run([sys.executable, "tools/make_task_data.py", "--out", str(tmp_path / "task"), "--digits", "2",
                     "--num-train", "200", "--num-test", "6", "--seed", "0", "--sft-worked", "0.1"],
                    cwd=REPO, check=True, capture_output=True)
     subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(tmp_path / "task" / "corpus.txt"),
                     "--vocab-size", "512", "--out", str(tmp_path / "tok")], cwd=REPO, check=True, capture_output=True)
-    run_distributed(_save_checkpoint, 1, str(tmp_path / "checkpoints"))
+    run_distributed(save_random_tiny_checkpoint, 1, str(tmp_path / "checkpoints"), 1, 0.3)
     settings = {
         "data.test_prompts": tmp_path / "task" / "test.jsonl", "data.tokenizer": tmp_path / "tok" / "tokenizer.model",
         "rollout.max_new_tokens": 8, "rl.reward": "numeric", "train.run_dir": tmp_path / "run",

@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from multiprocess_harness import run_distributed
+from parallel_case import save_random_tiny_checkpoint
 from megacispo.parallel.sharded import assemble
 
 REPO = Path(__file__).parent.parent
@@ -102,23 +103,9 @@ def workspace(tmp_path_factory) -> Path:
                    cwd=REPO, check=True, capture_output=True)
     subprocess.run([python, "tools/train_tokenizer.py", "--input", str(root / "task" / "corpus.txt"),
                     "--vocab-size", "512", "--out", str(root / "tok")], cwd=REPO, check=True, capture_output=True)
-    run_distributed(_save_start_weights, 1, str(root / "start"))
+    run_distributed(save_random_tiny_checkpoint, 1, str(root / "start"), 0, INIT_STD)
     (root / "scored.jsonl").write_text("".join(json.dumps({"tokens": tokens}) + "\n" for tokens in SCORED))
     return root
-
-
-def _save_start_weights(root: str) -> None:
-    """The tiny model with large random weights, as a checkpoint that train.load starts from."""
-    from megacispo.checkpoint import save_checkpoint
-    from megacispo.config import Config, to_dict
-    from megacispo.models.config import model_config, transformer_config
-    from megacispo.models.model import HybridModel
-    from megacispo.parallel.layout import ParallelConfig, init_distributed
-
-    config, parallel = model_config("tiny"), ParallelConfig()
-    init_distributed(parallel, seed=3)
-    model = HybridModel(config, transformer_config(config, parallel, init_method_std=INIT_STD))
-    save_checkpoint(root, 0, model, config_dict=to_dict(Config(model=config)), keep_last=None)
 
 
 def _run_overrides(workspace: Path, run_dir: Path) -> list[str]:
