@@ -3,7 +3,7 @@
 #   queue_run NAME COMMAND...  keeps the finished run RUN_DIR/NAME, else starts COMMAND in the background
 #   wait_runs                  waits for every run, prints their time, returns 1 when any failed
 # Expects RUN_DIR, STEPS (a run's last step: its checkpoint marks it finished) and JOBS to be set.
-# State shared by the two: the background runs' pids, oldest first, whether one failed, and the
+# State shared by the two: the background runs' pids, whether one failed, and the
 # time the queue began (the first queue_run).
 queue_pids=()
 queue_failed=0
@@ -20,10 +20,15 @@ queue_run() {
     fi
     # Events of an interrupted attempt would mix with the new run's.
     rm -rf "${RUN_DIR:?}/$name"
-    # Wait for a free slot: reap the oldest running job before starting another.
+    # Wait for a free slot: whichever run ends first frees it.
+    local ended pid alive
     while [ "${#queue_pids[@]}" -ge "$JOBS" ]; do
-        wait "${queue_pids[0]}" || queue_failed=1
-        queue_pids=("${queue_pids[@]:1}")
+        wait -n -p ended "${queue_pids[@]}" || queue_failed=1
+        alive=()
+        for pid in "${queue_pids[@]}"; do
+            [ "$pid" = "$ended" ] || alive+=("$pid")
+        done
+        queue_pids=("${alive[@]}")
     done
     echo "   start $name"
     "$@" &

@@ -1,7 +1,8 @@
 """The loss comparison tooling: the table logic of tools/plot_runs.py on hand-made series (steps to
 reach a level, ratios, runs that never reach it, final accuracy, clip fractions), its errors on bad
-input, the PNG and table from logged runs, and examples/compare_losses.sh end to end at tiny sizes
-(every loss, one seed), rerun to check finished runs are kept, and its fork task (TASK=fork)."""
+input, the PNG and table from logged runs, and examples/compare_losses.sh end to end at tiny sizes:
+its fork task (TASK=fork) followed by examples/compare_adaptive_clip.sh on the same runs, and (slow
+tier) the addition task with every loss, rerun to check finished runs are kept."""
 
 from __future__ import annotations
 
@@ -209,7 +210,9 @@ def _run_config(run_dir: Path) -> dict:
     return json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())["config"]
 
 
+@pytest.mark.slow
 def test_compare_losses_script_makes_the_plot_and_table_for_every_loss(tmp_path):
+    """The addition task with every loss (in the slow tier: the fork test below runs the same script)."""
     run_dir = tmp_path / "compare"
     env = _script_env(run_dir, "--set rollout.max_new_tokens=4", UPDATES="2")
     _run_script(env, tmp_path)
@@ -232,45 +235,40 @@ def test_compare_losses_script_makes_the_plot_and_table_for_every_loss(tmp_path)
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_fork_task_comparison_measures_the_branches_and_sweeps_the_updates(tmp_path):
-    """TASK=fork: the branch measurement of the SFT start, the probe's metrics, an arm with its own
-    overrides, two updates-per-rollout values and the sweep figure."""
+def test_fork_comparison_then_the_adaptive_clip_comparison_on_its_runs(tmp_path):
+    """TASK=fork: the branch measurement of the SFT start, the probe's metrics, two arms at two
+    updates-per-rollout values and the sweep figure; then examples/compare_adaptive_clip.sh on the
+    same directory: the fixed caps and the adaptive targets as arms, the plain cispo run and the SFT
+    start kept, the adapted bound logged and moving."""
     from megacispo.metrics import read_scalars
 
     run_dir = tmp_path / "fork"
-    arm = "cispo_cap2:rl.loss.name=cispo,rl.loss.params.eps_high=1.0"
-    _run_script(_script_env(run_dir, TASK="fork", ARMS=f"dapo {arm}", UPDATES="1 2"), tmp_path)
+    env = _script_env(run_dir, TASK="fork", ARMS="cispo dapo", UPDATES="1 2")
+    _run_script(env, tmp_path)
     branches = (run_dir / "branches.txt").read_text()
     assert "worked branch accuracy" in branches and "marker probability at the response's start" in branches
     rows = _table_rows((run_dir / "table.md").read_text().split("\n\n")[0])
-    assert list(rows) == ["dapo_u1", "cispo_cap2_u1", "dapo_u2", "cispo_cap2_u2"]
+    assert list(rows) == ["cispo_u1", "dapo_u1", "cispo_u2", "dapo_u2"]
     assert "marker clipped high" in next(iter(rows.values()))
     for name in ("compare_u1.png", "compare_u2.png", "sweep.png"):
         assert (run_dir / name).read_bytes()[:8] == PNG_SIGNATURE, name
-    config = _run_config(run_dir / "cispo_cap2_u2_seed0")
-    assert config["rl"]["loss"]["name"] == "cispo" and config["rl"]["loss"]["params"]["eps_high"] == 1.0
+    config = _run_config(run_dir / "dapo_u2_seed0")
+    assert config["rl"]["loss"]["name"] == "dapo" and config["rl"]["loss"]["params"] == get_policy_loss("dapo").param_defaults
     assert config["rl"]["reward"] == "numeric" and config["logging"]["probe_token"] == "~"
     start_prob = read_scalars(run_dir / "dapo_u1_seed0")["probe/start_prob"]
     assert [step for step, _ in start_prob] == [1, 2] and all(0 < value < 1 for _, value in start_prob)
 
-
-def test_adaptive_clip_comparison_runs_every_cap_and_target(tmp_path):
-    """examples/compare_adaptive_clip.sh on the fork task: the fixed caps and the adaptive targets as
-    arms, the plain cispo runs of the loss comparison kept, the adapted bound logged and moving."""
-    from megacispo.metrics import read_scalars
-
-    run_dir = tmp_path / "fork"
-    env = _script_env(run_dir, TASK="fork", ARMS="cispo", UPDATES="2")
-    _run_script(env, tmp_path)
     env.update(TASKS="fork", UPDATES="2")
     del env["ARMS"], env["TASK"]
     result = subprocess.run(["bash", str(REPO / "examples" / "compare_adaptive_clip.sh")], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "kept cispo_u2_seed0" in result.stdout
+    assert not any(stage in result.stdout for stage in ("== task data", "== shared SFT", "== the fork on the SFT"))
     rows = _table_rows((run_dir / "adaptive_clip" / "table.md").read_text().split("\n\n")[0])
     assert list(rows) == [f"{arm}_u2" for arm in ("cispo_cap1.2", "cispo_cap2", "cispo", "cispo_cap8",
                                                   "cispo_target0.001", "cispo_target0.01")]
+    assert (run_dir / "adaptive_clip" / "compare_u2.png").read_bytes()[:8] == PNG_SIGNATURE
     assert _run_config(run_dir / "cispo_cap1.2_u2_seed0")["rl"]["loss"]["params"]["eps_high"] == 0.2
     assert _run_config(run_dir / "cispo_target0.01_u2_seed0")["rl"]["adaptive_clip"]["target_capped_frac"] == 0.01
     bound = [value for _, value in read_scalars(run_dir / "cispo_target0.01_u2_seed0")["loss/eps_high_current"]]

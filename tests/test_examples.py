@@ -142,27 +142,32 @@ def test_hf_round_trip_example_trains_from_and_exports_to_hugging_face(tmp_path)
 
 def test_rl_queue_keeps_finished_runs_bounds_the_jobs_and_reports_a_failure(tmp_path):
     """examples/rl_queue.sh with stand-in runs: a finished run is kept, an unfinished one is
-    started over, at most JOBS run at once, and a failed run makes wait_runs fail."""
+    started over, at most JOBS run at once, a slot frees when any run ends (not only the oldest),
+    and a failed run makes wait_runs fail."""
     (tmp_path / "done" / "checkpoints" / "step_00000003").mkdir(parents=True)
     (tmp_path / "stale" / "old_events").mkdir(parents=True)
     script = f"""
         set -euo pipefail
         RUN_DIR={tmp_path} STEPS=3 JOBS=2
         source {EXAMPLES / "rl_queue.sh"}
-        run() {{  # a stand-in run: counts the runs alive beside it, then fails if asked to
-            mkdir "$RUN_DIR/running_$1"; sleep 0.3; ls -d "$RUN_DIR"/running_* | wc -l >"$RUN_DIR/alive_$1"
-            sleep 0.3; rmdir "$RUN_DIR/running_$1"; [ "$2" = ok ]
+        run() {{  # a stand-in run: notes the runs alive beside it, lasts $3 s, then fails if asked to
+            mkdir "$RUN_DIR/running_$1"; sleep 0.3; ls "$RUN_DIR" | grep running_ >"$RUN_DIR/alive_$1"
+            sleep "$3"; rmdir "$RUN_DIR/running_$1"; [ "$2" = ok ]
         }}
-        for name in done stale a b c; do queue_run "$name" run "$name" ok; done
+        for name in done stale a b c; do queue_run "$name" run "$name" ok 0.3; done
         wait_runs
-        queue_run d run d fail
+        queue_run slow run slow ok 3; queue_run e run e ok 0.3; queue_run f run f ok 0.3
+        wait_runs
+        queue_run d run d fail 0
         wait_runs || echo "wait_runs failed"
     """
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert "   kept done (finished earlier)" in result.stdout
     assert [line for line in result.stdout.splitlines() if line.startswith("   start")] == [
-        f"   start {name}" for name in ("stale", "a", "b", "c", "d")]
+        f"   start {name}" for name in ("stale", "a", "b", "c", "slow", "e", "f", "d")]
     assert not (tmp_path / "stale" / "old_events").exists(), "an unfinished run starts over"
-    assert max(int((tmp_path / f"alive_{name}").read_text()) for name in ("stale", "a", "b", "c")) <= 2
+    alive = {name: (tmp_path / f"alive_{name}").read_text().split() for name in ("stale", "a", "b", "c", "e", "f")}
+    assert max(len(names) for names in alive.values()) <= 2
+    assert "running_slow" in alive["f"], "f starts when e ends, while the slow run goes on"
     assert result.stdout.rstrip().endswith("wait_runs failed")
     assert "some RL runs failed" in result.stderr
