@@ -406,6 +406,9 @@ def plot_runs(runs_by_group: Mapping[str, Sequence[Mapping[str, Series]]], out: 
         axis.set_xlabel("RL step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.ticklabel_format(axis="y", useOffset=False)
+        if tag == EPS_HIGH_TAG:
+            # The controller moves the bound by a factor per update: equal factors, equal heights.
+            axis.set_yscale("log")
         axis.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     figure.suptitle(title or "mean over runs, band: min to max")
