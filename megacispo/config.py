@@ -119,7 +119,7 @@ class AdaptiveClipConfig:
     """Clip bounds that follow a target capped fraction (megacispo.adaptive_clip); off unless target_capped_frac is set."""
 
     target_capped_frac: float | None = None
-    """The fraction of loss tokens whose weight may hit the upper bound, over all ranks (null: off, the bounds stay fixed)."""
+    """The fraction of an optimizer step's loss tokens, over all ranks, whose weight may hit the upper bound (null: off); above 1 / tokens per step."""
     rate: float = 0.05
     """After each optimizer step the bound is multiplied (more capped than the target) or divided (fewer) by 1 + rate."""
     min: float = 0.01
