@@ -70,7 +70,6 @@ def one_update(engine, tokens: torch.Tensor):
     return result, {name: not torch.equal(before[name], param.detach()) for name, param in module.named_parameters()}
 
 
-
 def save_random_tiny_checkpoint(root: str, step: int, init_std: float) -> None:
     """The tiny model with random weights (std ``init_std``, seed 3) as a one-process checkpoint at
     ``step`` that train.load / --load read; run it in a process of its own (run_distributed)."""
