@@ -105,12 +105,12 @@ if [ ! -f "$RUN_DIR/data/test.jsonl" ] || [ ! -f "$RUN_DIR/tokenizer/tokenizer.m
 fi
 if [ ! -d "$RUN_DIR/sft/checkpoints" ]; then
     echo "== shared SFT warm start (2 processes, EP=2; log: $RUN_DIR/logs/sft.log)"
-    # The quick start's config and layout, stopped at SFT_STEPS of a 1000-step cosine. For addition
-    # (exact answers) 800 steps leave a partly trained model with room to climb; SFT is chaotic
+    # The quick start's config and layout at lr 3e-3, stopped at SFT_STEPS of a 1000-step cosine. For
+    # addition (exact answers) 800 steps leave a partly trained model with room to climb; SFT is chaotic
     # around its jump in accuracy, so the stop step sets the start (docs/cispo_vs_baselines.md). The
     # checkpoint reshards to the RL runs' one process.
     .venv/bin/torchrun --standalone --nproc-per-node 2 -m megacispo.sft --config examples/configs/quickstart_cpu.yaml \
-        "${paths[@]}" --set "sft.steps=$SFT_STEPS" --set sft.decay_steps=1000 \
+        "${paths[@]}" --set "sft.steps=$SFT_STEPS" --set sft.decay_steps=1000 --set sft.lr=3e-3 \
         >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -n 30 "$RUN_DIR/logs/sft.log"; exit 1; }
 fi
 if [ "$TASK" = fork ] && [ ! -f "$RUN_DIR/branches.txt" ]; then

@@ -3,7 +3,9 @@
 # then CISPO RL of the tiny hybrid MoE model with torchrun on 2 processes (EP=2), with TensorBoard
 # logs and checkpoints under runs/quickstart. Environment variables (defaults in brackets):
 #   NPROC [2]  processes;  RUN_DIR [runs/quickstart]  must match the config's paths;
-#   EXTRA      more --set overrides for both stages, e.g. EXTRA="--set train.steps=5"
+#   EXTRA      more --set overrides for both stages, e.g. EXTRA="--set train.seed=1"
+# Every run starts over: the last run's checkpoints and TensorBoard logs under RUN_DIR go first, so RL
+# never loads another run's (newer-stepped) SFT checkpoint and TensorBoard shows this run alone.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/tools/setup_env.sh"
@@ -15,6 +17,7 @@ py=.venv/bin/python
 export PYTHONWARNINGS="ignore"
 export OMP_NUM_THREADS=1
 
+rm -rf "${RUN_DIR:?}/sft" "$RUN_DIR/checkpoints" "$RUN_DIR/tensorboard"
 echo "== task data and tokenizer"
 $py tools/make_task_data.py --out "$RUN_DIR/data" --task addition --digits 2 --num-train 4000 --num-test 200 --seed 0 \
     --sft-restate 0.6

@@ -13,7 +13,7 @@
 # Environment variables (defaults in brackets):
 #   SEEDS [0 1 2]  JOBS [2]  STEPS [20] RL steps per run  EVAL_EVERY [5]
 #   LR [1e-4], PROMPTS [64] prompts per rollout batch, GROUP [8] samples per prompt, UPDATES [4] optimizer
-#   steps per batch: the quick start's RL settings (examples/configs/quickstart_cpu.yaml), on one process
+#   steps per batch: the quick start's RL batches (examples/configs/quickstart_cpu.yaml), on one process
 #   SOURCE [runs/quickstart] the quick start's directory: its data, tokenizer and SFT checkpoint are
 #     used; missing ones are made there as the quick start makes them, with SFT_STEPS [300] SFT steps
 #     (the quick start runs 1000) to keep the set-up short

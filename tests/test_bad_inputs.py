@@ -104,7 +104,7 @@ CATALOG = [
     config_row("train", quick("optimizer.adam_beta1=1.5"), "optimizer.adam_beta1 = 1.5: it must be in [0, 1)",
                id="beta1-above-1"),
     config_row("train", quick("optimizer.min_lr=0.01"),
-               "optimizer.min_lr = 0.01 exceeds optimizer.lr = 0.0001", "lower min_lr", id="min-lr-above-lr"),
+               "optimizer.min_lr = 0.01 exceeds optimizer.lr = 0.0002", "lower min_lr", id="min-lr-above-lr"),
     config_row("train", quick("optimizer.clip_grad=-1"), "optimizer.clip_grad = -1.0: it must be >= 0 (0: off)",
                id="clip-negative"),
     config_row("train", quick("rollout.top_k=-5"), "rollout.top_k = -5: it must be >= 0 (0: off)", id="top-k-negative"),
