@@ -17,7 +17,7 @@ py=.venv/bin/python
 export PYTHONWARNINGS="ignore"
 export OMP_NUM_THREADS=1
 
-rm -rf "${RUN_DIR:?}/sft" "$RUN_DIR/checkpoints" "$RUN_DIR/tensorboard"
+rm -rf "$RUN_DIR/sft" "$RUN_DIR/checkpoints" "$RUN_DIR/tensorboard"
 echo "== task data and tokenizer"
 $py tools/make_task_data.py --out "$RUN_DIR/data" --task addition --digits 2 --num-train 4000 --num-test 200 --seed 0 \
     --sft-restate 0.6
