@@ -2,17 +2,25 @@
 
 from setuptools import setup
 
+# megacispo/'s subsystem packages.
+SUBPACKAGES = ("checkpoint", "data", "evaluation", "metrics", "rl", "rollout", "training")
+
 setup(
     name="megacispo",
     version="0.1.0",
     description="Megatron-Core RL training stack for MiniMax-M1 style hybrid lightning-attention MoE models with CISPO",
     python_requires=">=3.10",
-    # models/ and parallel/ sit at the top of the repository but install as subpackages.
-    packages=["megacispo", "megacispo.models", "megacispo.parallel", "megacispo.parallel.cpu"],
+    # models/ and parallel/ sit at the top of the repository but install as subpackages; so does
+    # tests/support, the helpers that tests and benchmarks share (megacispo.testing).
+    packages=[
+        "megacispo", *(f"megacispo.{name}" for name in SUBPACKAGES),
+        "megacispo.models", "megacispo.parallel", "megacispo.parallel.cpu", "megacispo.testing",
+    ],
     package_dir={
         "megacispo": "megacispo",
         "megacispo.models": "models",
         "megacispo.parallel": "parallel",
+        "megacispo.testing": "tests/support",
     },
     # parallel/cpu/kernels.py compiles these at set-up or on first use.
     package_data={"megacispo.parallel.cpu": ["csrc/*.cpp"]},

@@ -34,10 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from megacispo.metrics.logger import read_scalars
 
-from megacispo.metrics import read_scalars  # noqa: E402 - after the repository is on the path
+REPO = Path(__file__).resolve().parent.parent
 
 CONFIG = "examples/configs/quickstart_cpu.yaml"
 SFT_CHECKPOINTS = "runs/quickstart/sft/checkpoints"

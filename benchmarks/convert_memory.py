@@ -1,4 +1,4 @@
-"""Peak memory of checkpoint conversion (megacispo.convert) on the `small` model, both directions.
+"""Peak memory of checkpoint conversion (megacispo.checkpoint.to_megatron, to_hf) on the `small` model, both directions.
 
 A randomly initialised `small`-size transformers MiniMaxForCausalLM (config from
 hf_names.config_to_hf(model_config("small")), no download) is saved with save_pretrained; each
@@ -10,7 +10,7 @@ step then runs in a fresh subprocess that reports its own peak RSS (VmHWM):
 - hf-to-megatron and megatron-to-hf: the conversions (safetensors shards of at most
   --max-shard-bytes, default 5 GiB as the tool's, one shard here);
 - whole-model load (peer): the checkpoint loaded into a single-process model with
-  megacispo.checkpoint.load_checkpoint, which is what the previous converter did first.
+  megacispo.checkpoint.distributed.load_checkpoint, which is what the previous converter did first.
 
 The table gives peak RSS, peak - baseline, and that divided by the largest tensor's bytes (the
 issue's bound: under 3x the largest tensor plus a fixed overhead, here the setup's).
@@ -33,10 +33,13 @@ import torch
 from safetensors import safe_open
 from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
-from megacispo import convert
+from megacispo.checkpoint.streaming import TensorMeter
+from megacispo.checkpoint.to_hf import megatron_to_hf
+from megacispo.checkpoint.to_megatron import checkpoint_contents, hf_to_megatron
 from megacispo.models import model  # noqa: F401  (likewise)
 from megacispo.models.config import PARAMS_DTYPES, model_config
 from megacispo.models.hf_names import config_to_hf
+from megacispo.testing.checkpoints import load_single_process
 
 MIB = 1024**2
 
@@ -53,15 +56,15 @@ def _peak_rss_bytes() -> int:
 def _child(step: str, work: Path) -> dict:
     """One measured step, in this (fresh) process."""
     warnings.simplefilter("ignore")
-    meter = convert.TensorMeter()
+    meter = TensorMeter()
     if step == "setup":
-        convert.checkpoint_contents(model_config("small"), PARAMS_DTYPES["float32"])
+        checkpoint_contents(model_config("small"), PARAMS_DTYPES["float32"])
     elif step == "hf-to-megatron":
-        convert.hf_to_megatron(work / "hf", work / "ckpt", progress=False, meter=meter)
+        hf_to_megatron(work / "hf", work / "ckpt", progress=False, meter=meter)
     elif step == "megatron-to-hf":
-        convert.megatron_to_hf(work / "ckpt", work / "hf_back", progress=False, meter=meter)
+        megatron_to_hf(work / "ckpt", work / "hf_back", progress=False, meter=meter)
     elif step == "whole-model load":
-        convert.load_single_process(work / "ckpt")
+        load_single_process(work / "ckpt")
     return {"peak_rss": _peak_rss_bytes(), "meter_peak": meter.peak_bytes}
 
 

@@ -44,7 +44,7 @@ def _train_step(engine, micro_batch: _MicroBatch) -> None:
         logits = model(batch.tokens)
         targets = batch.tokens[:, 1:]
         return logits, lambda output: (
-            -vocab_parallel_logprobs(output[:, :-1].float(), targets, engine.tp_group).mean(), {})
+            -vocab_parallel_logprobs(output[:, :-1].float(), targets, engine.groups.tp).mean(), {})
 
     engine.run_micro_batches([micro_batch], forward_step, forward_only=False)
     engine.step()
@@ -57,11 +57,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
 
-    from megacispo.config import load_config
-    from megacispo.engine import Engine
     from megacispo.parallel.layout import destroy_distributed, init_distributed
+    from megacispo.startup import run_config
+    from megacispo.training.engine import Engine
 
-    config = load_config(None)
+    config = run_config(None)
     init_distributed(config.parallel, seed=0)
     engine = Engine(config, total_steps=1000, peak_lr=1e-4)
     batch = _MicroBatch(torch.randint(0, config.model.vocab_size, (args.batch, args.seq),

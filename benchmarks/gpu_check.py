@@ -28,7 +28,7 @@ Prints markdown tables; exits 1 if a check failed (its row says why), 2 without 
     bash benchmarks/gpu_check.sh            (or: python benchmarks/gpu_check.py --help)
 
 The CPU twin: the driver stages alone, on the CPU with gloo, fp32 and bf16 (CI runs its fp32
-half, tests/test_gpu_check.py; --driver-dtype float32 chooses it):
+half, tests/multiprocess/test_gpu_check.py; --driver-dtype float32 chooses it):
 
     bash benchmarks/gpu_check.sh --cpu
 """
@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 import yaml
 
-from megacispo.metrics import read_scalars
+from megacispo.metrics.logger import read_scalars
 
 # Dense bf16 tensor-core peak, TFLOP/s, of the GPUs this project targets (SXM parts).
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0}
@@ -385,10 +385,10 @@ def train_small(args: argparse.Namespace, overrides: list[str], start_weights: d
     (cycling ``batches``); ``start_weights`` (same layer layout) replace the initial weights."""
     from megatron.core import tensor_parallel
 
-    from megacispo.config import load_config
-    from megacispo.engine import Engine
+    from megacispo.startup import run_config
+    from megacispo.training.engine import Engine
 
-    config = load_config(None, ["model.size=small", *overrides])
+    config = run_config(None, ["model.size=small", *overrides])
     torch.manual_seed(config.train.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.train.seed)
     num_steps = args.steps + 3
@@ -551,8 +551,8 @@ def loss_checks(args: argparse.Namespace, report: Report) -> None:
 SFT_STEPS = 8
 RL_STEPS = 2
 SCORED_SEQUENCES = 4
-# tests/reward_fixtures.py, loaded by the trainer as module:function (the children see tests/).
-SPREAD_REWARD = "reward_fixtures:odd_length"
+# tests/support/reward_fixtures.py, loaded by the trainer as module:function.
+SPREAD_REWARD = "megacispo.testing.reward_fixtures:odd_length"
 # torchrun's variables, which init_distributed also sets in this process (section 2): a child that
 # inherited them would join this process's world instead of the one its torchrun makes.
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -602,7 +602,6 @@ class DriverRun:
 
 def child_env(device: str) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # no CUDA: the driver starts gloo and keeps every tensor on the CPU
     return env
@@ -711,8 +710,8 @@ def driver_config(data: Path, tokenizer: Path) -> dict:
 
 def write_score_tokens(test_prompts: Path, tokenizer_path: Path, out: Path) -> tuple[Path, int]:
     """megacispo.score's input: held-out prompts with their answers, tokenized as SFT tokenizes them."""
-    from megacispo.data import build_sft_example, load_prompts
-    from megacispo.tokenizer import Tokenizer
+    from megacispo.data.prompts import build_sft_example, load_prompts
+    from megacispo.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(tokenizer_path)
     records = load_prompts(test_prompts)[:SCORED_SEQUENCES]
@@ -749,7 +748,7 @@ def per_step(values: dict[int, float], spec: str) -> str:
 
 def save_stage(run: DriverRun) -> str:
     """The checkpoint the RL run saved at its end: complete, of its last step, its optimizer and dtype."""
-    from megacispo.checkpoint import complete_checkpoints, read_meta
+    from megacispo.checkpoint.distributed import complete_checkpoints, read_meta
 
     checkpoints = complete_checkpoints(run.checkpoints)
     require(bool(checkpoints), f"no complete checkpoint under {run.checkpoints}")
@@ -763,7 +762,7 @@ def save_stage(run: DriverRun) -> str:
 
 
 def resume_stage(run: DriverRun) -> str:
-    from megacispo.checkpoint import latest_checkpoint, read_meta
+    from megacispo.checkpoint.distributed import latest_checkpoint, read_meta
 
     output = run.launch("resume", "megacispo.train", *run.config_args(f"train.steps={RL_STEPS + 1}"), "--resume")
     # A run that started over would log steps 1..3; a resumed one logs only the step after the checkpoint.

@@ -8,7 +8,7 @@ to head_dim, because HF rotates whole heads: the two models then compute the sam
 Training, one RL update on the same batch (random tokens, a prompt of a quarter of the sequence,
 loss on the rest, one advantage per sequence, old log-probs near the current ones):
 
-- ours: ``megacispo.engine.Engine`` (Megatron DDP, distributed optimizer AdamW with gradient
+- ours: ``megacispo.training.engine.Engine`` (Megatron DDP, distributed optimizer AdamW with gradient
   clipping 1.0) running the forward step of ``Trainer._update_once``: the final hidden states into
   ``Engine.token_logprobs`` (the fused, tiled fp32 LM head on the response positions only, with
   the entropy metric), ``compute_policy_loss("cispo")``, Megatron's MoE load-balancing loss,
@@ -24,7 +24,7 @@ Python loop over blocks of block_size (intra-block masked QK^T V plus the inter-
 prompts and training, one recurrent state update per token when decoding with a cache.
 
 Generation, greedy, at batch 1 (latency) and batch 8 (a group of samples of one RL prompt; distinct
-random prompts of one length, so neither side pads): ``megacispo.rollout.generate`` (prefill, then
+random prompts of one length, so neither side pads): ``megacispo.rollout.generate.generate`` (prefill, then
 one ``decode_step`` per token: the lean single-process step, sampling bookkeeping included), run
 eagerly and compiled (``rollout.compile_decode``: torch.compile of the step, compiled in a warm-up
 generation of a few tokens whose time is printed), vs
@@ -105,16 +105,18 @@ def build_models(config: HybridModelConfig):
     """(engine, hf_model): our Engine and transformers' MiniMaxForCausalLM with the same weights."""
     from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
-    from megacispo.config import Config, OptimizerConfig
-    from megacispo.engine import Engine
+    from megacispo.config import Config
     from megacispo.models import hf_names
     from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.testing import hf_models
+    from megacispo.training.config import OptimizerConfig
+    from megacispo.training.engine import Engine
 
     init_distributed(ParallelConfig(), seed=0)
     hf_model = MiniMaxForCausalLM(MiniMaxConfig(**hf_names.config_to_hf(config)))
     engine = Engine(Config(model=config, optimizer=OptimizerConfig(lr=LR)), total_steps=1000, peak_lr=LR)
     hf_tensors = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
-    ours = hf_names.full_to_single_process(hf_names.hf_to_full(hf_tensors, config))
+    ours = hf_models.full_to_single_process(hf_models.hf_to_full(hf_tensors, config))
     # In-place copies into the DDP buffers the optimizer's shards view.
     missing, unexpected = engine.module.load_state_dict(ours, strict=False)
     missing = [key for key in missing if not key.endswith("_extra_state")]
@@ -182,12 +184,12 @@ def rl_batch(batch_size: int, seq_len: int, vocab_size: int) -> RLBatch:
 
 def our_update(engine, batch: RLBatch) -> Callable[[], None]:
     """Trainer._update_once on one micro-batch: Megatron schedule, fused-head CISPO, step."""
-    from megacispo.losses import compute_global_counts, compute_policy_loss
-    from megacispo.trainer import TrainBatch
+    from megacispo.rl.losses import compute_global_counts, compute_policy_loss
+    from megacispo.rl.trainer import TrainBatch
 
     micro = TrainBatch(tokens=batch.tokens, loss_mask=batch.loss_mask, advantages=batch.advantages,
                        rollout_logprobs=batch.old_logprobs, old_logprobs=batch.old_logprobs)
-    counts = compute_global_counts([micro.loss_mask], [micro.old_logprobs], group=engine.dp_group)
+    counts = compute_global_counts([micro.loss_mask], [micro.old_logprobs], group=engine.groups.dp)
     scale = engine.loss_scale_for_schedule(1)
 
     def forward_step(micro: TrainBatch, model):
@@ -243,8 +245,8 @@ def hf_update(hf_model, batch: RLBatch) -> Callable[[], None]:
 
 def our_generate(model, prompts: torch.Tensor, new_tokens: int, compile_decode: bool = False) -> torch.Tensor:
     """prompts [b, P] -> the greedy new tokens [b, new_tokens]."""
-    from megacispo.config import RolloutConfig
-    from megacispo.rollout import generate, sample_keys
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import generate, sample_keys
 
     config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, compile_decode=compile_decode)
     # No stop ids: every sample runs all new_tokens steps, as min_new_tokens forces in HF.

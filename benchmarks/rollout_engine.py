@@ -9,7 +9,7 @@ geometric with mean 20, under 64. Sampling at temperature 1.
 - lockstep: the engine megacispo had before the slot engine (this file keeps it as the baseline):
   every sample prefilled at once, then decode steps for all of them until the longest finishes
   (finished rows keep decoding a pad), its KV cache growing to the longest length for every sample;
-- slots N: ``megacispo.rollout.generate`` with rollout.max_running = N (0: every sample in a slot);
+- slots N: ``megacispo.rollout.generate.generate`` with rollout.max_running = N (0: every sample in a slot);
 - HF: ``MiniMaxForCausalLM.generate(do_sample=True)`` on the whole batch, left-padded, with a
   stopping criterion that ends each row at its length (HF decodes in lockstep too).
 
@@ -34,15 +34,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the multi-process harness lives there
-from multiprocess_harness import run_distributed  # noqa: E402
+from megacispo.testing.harness import run_distributed
 
 LONG_SAMPLES = 4
 SHORT_MEAN = 20
@@ -100,7 +97,7 @@ class PeakResident:
 def lockstep_generate(model, prompts: list[list[int]], limits: list[int], config) -> int:
     """The engine before slots (the baseline): a left-padded prefill of every prompt, then decode
     steps for all rows until the longest response is done. Returns the tokens generated."""
-    from megacispo.rollout import sample_keys, sample_tokens
+    from megacispo.rollout.generate import sample_keys, sample_tokens
 
     model.eval()
     width = max(len(p) for p in prompts)
@@ -123,7 +120,7 @@ def lockstep_generate(model, prompts: list[list[int]], limits: list[int], config
 
 
 def slot_generate(model, prompts: list[list[int]], limits: list[int], config) -> int:
-    from megacispo.rollout import generate, sample_keys
+    from megacispo.rollout.generate import generate, sample_keys
 
     samples = generate(model, prompts, config, stop_ids=[], pad_id=PAD,
                        keys=sample_keys((0,), range(len(prompts)), 1, device="cpu"), response_limits=limits)
@@ -161,11 +158,12 @@ def measure(engine: str, slots: int, num_samples: int, long_tokens: int, threads
     the start."""
     from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
-    from megacispo.config import RolloutConfig
     from megacispo.models import hf_names
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.testing import hf_models
 
     torch.set_num_threads(threads)
     small = model_config("small")
@@ -180,7 +178,7 @@ def measure(engine: str, slots: int, num_samples: int, long_tokens: int, threads
     else:
         model = HybridModel(config, transformer_config(config, ParallelConfig()))
         tensors = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
-        model.load_state_dict(hf_names.full_to_single_process(hf_names.hf_to_full(tensors, config)), strict=False)
+        model.load_state_dict(hf_models.full_to_single_process(hf_models.hf_to_full(tensors, config)), strict=False)
         del hf_model, tensors
         step = lockstep_generate if engine == "lockstep" else slot_generate
         run = lambda: step(model, prompts, limits, rollout)  # noqa: E731

@@ -28,16 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from megacispo.losses import compute_policy_loss
 from megacispo.parallel.vocab_parallel import (
     default_tile,
     lm_head_input,
@@ -45,9 +42,8 @@ from megacispo.parallel.vocab_parallel import (
     vocab_parallel_logprobs,
     vocab_shard_range,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the multi-process harness lives there
-from multiprocess_harness import run_distributed  # noqa: E402
+from megacispo.rl.losses import compute_policy_loss
+from megacispo.testing.harness import run_distributed
 
 TP = 2
 # fp32 [tokens, V] tensors alive at once per rank at the naive path's peak (the backward of

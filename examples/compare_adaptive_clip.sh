@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CISPO's IS-weight cap, fixed or adapted (rl.adaptive_clip), on both comparison tasks
-# (docs/cispo_vs_baselines.md, "Adaptive clipping"): examples/compare_losses.sh with these arms at 4
-# and 16 updates per rollout, 3 seeds each, the plots and table in <run dir>/adaptive_clip. The fork
+# (docs/reports/cispo_vs_baselines.md, "Adaptive clipping"): examples/compare_losses.sh with these arms
+# at 4 and 16 updates per rollout, 3 seeds each. The plots and table go to the report's folder,
+# docs/reports/cispo_vs_baselines/adaptive_<task>, or with RUN_DIR set to <run dir>/adaptive_clip. The fork
 # task runs first, then addition. Each task's SFT start, data and plain `cispo` runs (the cap of 5)
 # are those of its loss comparison: finished runs are kept, so after `TASK=fork bash
 # examples/compare_losses.sh` and `bash examples/compare_losses.sh` only the new arms train.
@@ -24,6 +25,8 @@ for task in ${TASKS:-fork addition}; do
         addition) run_dir="${RUN_DIR:-runs/compare}" ;;
         *) echo "TASKS holds $task: use fork and/or addition" >&2; exit 2 ;;
     esac
+    report="$run_dir/adaptive_clip"
+    [ -n "${RUN_DIR:-}" ] || report="docs/reports/cispo_vs_baselines/adaptive_$task"  # the report's runs
     echo "=== $task"
-    TASK="$task" RUN_DIR="$run_dir" REPORT="$run_dir/adaptive_clip" bash "$repo/examples/compare_losses.sh"
+    TASK="$task" RUN_DIR="$run_dir" REPORT="$report" bash "$repo/examples/compare_losses.sh"
 done

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CISPO against its baselines on the CPU (docs/cispo_vs_baselines.md): the same task, model, data,
+# CISPO against its baselines on the CPU (docs/reports/cispo_vs_baselines.md): the same task, model, data,
 # SFT warm start and seeds, trained with each arm of ARMS for every seed of SEEDS and every number of
 # updates per rollout of UPDATES; then tools/plot_runs.py draws the curves and the sweep over UPDATES
 # and writes the steps-to-accuracy table. Every RL run is one process; JOBS of them run at once.
@@ -8,8 +8,8 @@
 #   addition  2-digit addition (the quick start's task), exact-match reward
 #   fork      3-digit addition with a fork: the model answers far better when it first writes the
 #             marker "~" and works the sum out column by column, which its SFT teacher did in 3% of
-#             its answers (megacispo/tasks.py); numeric reward, the marker's start probability and
-#             clip fractions logged (logging.probe_token), and its branch accuracies measured on the
+#             its answers (tools/arithmetic_tasks.py); numeric reward, the marker's start probability and
+#             clip fractions logged (logging.metric_hooks.probe_token), and its branch accuracies measured on the
 #             SFT checkpoint into RUN_DIR/branches.txt (tools/fork_branches.py)
 # An arm is a loss name of the registry, run with its paper parameters (rl.loss.name=NAME), or
 # NAME:KEY=VALUE,KEY=VALUE,... for any config overrides, e.g. "cispo_cap2:rl.loss.name=cispo,rl.loss.params.eps_high=1.0".
@@ -22,8 +22,10 @@
 #   EVAL_EVERY [4 / 4] steps between evaluations   NUM_TRAIN [4000] NUM_TEST [200] task problems
 #   LEVELS [0.35 0.4 0.45 / 0.2 0.4 0.6] accuracies for the table
 #   RUN_DIR [runs/compare / runs/compare_fork] (relative to the repository)
-#   REPORT [RUN_DIR] where the plots and the table go: another directory compares other arms on the
-#   same start, reusing the finished runs the two share (docs/cispo_vs_baselines.md, adaptive clipping)
+#   REPORT where the plots and the table go [with RUN_DIR unset: the report's own runs, so the report's
+#   folder, docs/reports/cispo_vs_baselines/<TASK>; with RUN_DIR set: RUN_DIR]. Another directory
+#   compares other arms on the same start, reusing the finished runs the two share
+#   (docs/reports/cispo_vs_baselines.md, adaptive clipping)
 #   SETUP [1] (0 skips tools/setup_env.sh: the environment is already there)
 #   EXTRA   more --set overrides for the SFT and every RL run, e.g. EXTRA="--set rollout.temperature=0.8"
 # A run directory holding a finished run of STEPS steps is kept (delete it to rerun that run), an
@@ -37,6 +39,8 @@ if [ "${SETUP:-1}" = 1 ]; then
 fi
 cd "$repo"
 TASK="${TASK:-addition}"
+# Runs in the default RUN_DIR are the report's: their figures go where the report shows them.
+[ -n "${RUN_DIR:-}" ] || : "${REPORT:=docs/reports/cispo_vs_baselines/$TASK}"
 case "$TASK" in
     addition)
         CONFIG=examples/configs/compare_losses_cpu.yaml
@@ -46,7 +50,7 @@ case "$TASK" in
     fork)
         CONFIG=examples/configs/compare_fork_cpu.yaml
         # 60% of the other SFT answers demonstrate the worked branch after a given marker: the model
-        # learns to carry it out without learning to take it (megacispo/tasks.py).
+        # learns to carry it out without learning to take it (tools/arithmetic_tasks.py).
         task_args=(--digits 3 --sft-worked 0.03 --sft-worked-demos 0.6)
         : "${UPDATES:=1 4 16}" "${PROMPTS:=16}" "${SFT_STEPS:=1000}" "${LEVELS:=0.2 0.4 0.6}" "${RUN_DIR:=runs/compare_fork}"
         ;;
@@ -107,7 +111,7 @@ if [ ! -d "$RUN_DIR/sft/checkpoints" ]; then
     echo "== shared SFT warm start (2 processes, EP=2; log: $RUN_DIR/logs/sft.log)"
     # The quick start's config and layout at lr 3e-3, stopped at SFT_STEPS of a 1000-step cosine. For
     # addition (exact answers) 800 steps leave a partly trained model with room to climb; SFT is chaotic
-    # around its jump in accuracy, so the stop step sets the start (docs/cispo_vs_baselines.md). The
+    # around its jump in accuracy, so the stop step sets the start (docs/reports/cispo_vs_baselines.md). The
     # checkpoint reshards to the RL runs' one process.
     .venv/bin/torchrun --standalone --nproc-per-node 2 -m megacispo.sft --config examples/configs/quickstart_cpu.yaml \
         "${paths[@]}" --set "sft.steps=$SFT_STEPS" --set sft.decay_steps=1000 --set sft.lr=3e-3 \

@@ -6,7 +6,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 # Preemption: torchrun forwards a SIGTERM to the ranks and SIGKILLs them this many seconds later (its
 # own default is 30). The ranks save within one decode step, or within the rest of the step's
-# updates when they have begun, plus one save: the grace must cover that (docs/launch.md).
+# updates when they have begun, plus one save: the grace must cover that (docs/guides/long_runs.md).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-300}"
 
 # Model: the size and its fields come from the config.

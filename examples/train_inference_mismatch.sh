@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The train/inference gap of MoE RL on the CPU (docs/train_inference_mismatch.md): the quick start's
+# The train/inference gap of MoE RL on the CPU (docs/reports/train_inference_mismatch.md): the quick start's
 # tiny hybrid MoE model, from its SFT checkpoint, trained with bfloat16 rollouts (fp32 training) in
 # four arms, each for every seed of SEEDS:
 #   bf16_head     model.fp32_lm_head=false: the LM head in bf16 in the rollout
@@ -8,8 +8,8 @@
 #   fp32_head_tis fp32 head + truncated importance sampling (rl.rollout_correction.mode=tis)
 # Per step every run logs mismatch/train_rollout_prob_corr, mismatch/k3_kl,
 # mismatch/router_disagreement, the reward and (every EVAL_EVERY steps) the held-out accuracy; then
-# tools/plot_runs.py's plot (with the mismatch panels) goes to RUN_DIR/mismatch.png and a table of
-# every run to RUN_DIR/table.md. Every RL run is one process; JOBS of them run at once.
+# tools/plot_runs.py's plot (with the mismatch panels) goes to REPORT/mismatch.png and a table of
+# every run to REPORT/table.md. Every RL run is one process; JOBS of them run at once.
 # Environment variables (defaults in brackets):
 #   SEEDS [0 1 2]  JOBS [2]  STEPS [20] RL steps per run  EVAL_EVERY [5]
 #   LR [1e-4], PROMPTS [64] prompts per rollout batch, GROUP [8] samples per prompt, UPDATES [4] optimizer
@@ -18,6 +18,8 @@
 #     used; missing ones are made there as the quick start makes them, with SFT_STEPS [300] SFT steps
 #     (the quick start runs 1000) to keep the set-up short
 #   RUN_DIR [runs/mismatch]   SETUP [1] (0 skips tools/setup_env.sh)
+#   REPORT where the plot and the table go [with RUN_DIR unset: the report's own runs, so the report's
+#     folder, docs/reports/train_inference_mismatch; with RUN_DIR set: RUN_DIR]
 # A run directory holding a finished run of STEPS steps is kept (delete it to rerun that run).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,7 +36,10 @@ PROMPTS="${PROMPTS:-64}"
 GROUP="${GROUP:-8}"
 UPDATES="${UPDATES:-4}"
 SOURCE="${SOURCE:-runs/quickstart}"
+# Runs in the default RUN_DIR are the report's: the plot goes where the report shows it.
+[ -n "${RUN_DIR:-}" ] || : "${REPORT:=docs/reports/train_inference_mismatch}"
 RUN_DIR="${RUN_DIR:-runs/mismatch}"
+REPORT="${REPORT:-$RUN_DIR}"
 CONFIG=examples/configs/compare_losses_cpu.yaml
 py=.venv/bin/python
 export PYTHONWARNINGS="ignore"
@@ -112,7 +117,8 @@ wait_runs || exit 1
 echo "== plot and table"
 # tools/plot_runs.py's reading, grouping and drawing, with the mismatch metrics as its extra panels,
 # and a table of every run: the step means of the mismatch metrics, the last reward and accuracy.
-$py - "$RUN_DIR" "${run_dirs[@]}" <<'EOF'
+mkdir -p "$REPORT"
+$py - "$REPORT" "${run_dirs[@]}" <<'EOF'
 import statistics
 import sys
 from pathlib import Path
@@ -142,4 +148,4 @@ for path, run in runs.items():
 (out_dir / "table.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
-echo "plot: $RUN_DIR/mismatch.png  table: $RUN_DIR/table.md  total: $SECONDS s"
+echo "plot: $REPORT/mismatch.png  table: $REPORT/table.md  total: $SECONDS s"

@@ -24,36 +24,29 @@ import dataclasses
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megacispo.checkpoint import (
+from megacispo.checkpoint.distributed import (
     CheckpointError,
-    load_checkpoint,
     params_dtype_of,
     read_meta,
     resolve_checkpoint,
 )
-from megacispo.cli import bad_input_exits, build_parser, load_run_config
+from megacispo.checkpoint.formats import is_hf_directory
+from megacispo.checkpoint.hf import check_hf_checkpoint, hf_params_dtype_name
 from megacispo.config import Config
-from megacispo.data import atomic_write_text
-from megacispo.hf_checkpoint import (
-    check_hf_checkpoint,
-    hf_params_dtype_name,
-    is_hf_directory,
-    load_hf_weights,
-)
 from megacispo.models.config import HybridModelConfig, model_shape
 from megacispo.parallel.layout import (
     ParallelConfig,
+    destroy_model_parallel,
     init_distributed,
-    run_device,
     validate_layout,
     world_size_from_env,
 )
+from megacispo.startup import bad_input_exits, build_parser, load_run_config
 
 
 def score_parser() -> argparse.ArgumentParser:
@@ -123,74 +116,6 @@ def scoring_layout(parallel: ParallelConfig, model: HybridModelConfig, world_siz
     return parallel
 
 
-@torch.no_grad()
-def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | None:
-    """[len(tokens) - 1] fp32 log-probs of each next token on the last pipeline stage (None on
-    the others), through Megatron's schedule (forward only; 1F1B hands activations between stages)."""
-    # Megatron-Core: imported once a model exists, so that --dry-run and --help import none of it.
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
-
-    device = run_device()
-    tp_size = torch.distributed.get_world_size(tp_group)
-    padded = -(-len(tokens) // tp_size) * tp_size if model.config.sequence_parallel else len(tokens)
-    input_ids = torch.zeros(1, padded, dtype=torch.long, device=device)
-    input_ids[0, : len(tokens)] = torch.tensor(tokens, device=device)
-    targets = input_ids[:, 1 : len(tokens)]
-
-    def loss_func(logits: torch.Tensor):  # logits [1, padded, V/TP]
-        logprobs = vocab_parallel_logprobs(logits[:, : len(tokens) - 1].float(), targets, tp_group=tp_group)
-        return logits.new_zeros(()), {"logprobs": logprobs[0].cpu()}
-
-    def forward_step(data_iterator, model_chunk):
-        return model_chunk(next(data_iterator)), loss_func
-
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([input_ids]), model=[model], num_microbatches=1,
-        seq_length=padded, micro_batch_size=1, forward_only=True,
-    )
-    return outputs[0]["logprobs"] if outputs else None
-
-
-def score(load: str, out: str, config: HybridModelConfig, parallel: ParallelConfig, records: list[dict],
-          params_dtype: str) -> None:
-    """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
-    # Megatron-Core: imported once a process group exists, so that --dry-run and --help import none of it.
-    from megatron.core import parallel_state
-
-    from megacispo.engine import build_inference_model
-
-    model = build_inference_model(config, params_dtype, parallel)
-    if is_hf_directory(load):
-        load_hf_weights(model, load)
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # RNG states of another layout: not used here
-            load_checkpoint(resolve_checkpoint(load), model, load_rng=False)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    mine = list(range(dp_rank, len(records), dp_size))
-    rounds = -(-len(records) // dp_size)
-    results = {}
-    for position in range(rounds):
-        # Every rank runs the same number of forwards: the MoE's all-to-all spans DP ranks under EP.
-        index = mine[position] if position < len(mine) else None
-        tokens = records[index if index is not None else 0]["tokens"]
-        logprobs = _sequence_logprobs(model, tokens, tp_group)
-        if index is not None and logprobs is not None:
-            results[index] = logprobs.tolist()
-    gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
-    torch.distributed.gather_object(results, gathered, dst=0)
-    if torch.distributed.get_rank() == 0:
-        merged = {index: logprobs for part in gathered for index, logprobs in part.items()}
-        assert len(merged) == len(records), "every record is scored by some rank"
-        scored = ({**record, "logprobs": merged[i]} for i, record in enumerate(records))
-        atomic_write_text(out, "".join(json.dumps(record) + "\n" for record in scored))
-    torch.distributed.barrier()
-
-
 def score_plan(load: str, model: HybridModelConfig, params_dtype: str, parallel: ParallelConfig, world_size: int,
                num_records: int) -> str:
     """What a scoring run would do, for --dry-run."""
@@ -216,15 +141,15 @@ def run(argv: list[str] | None = None) -> None:
         if args.dry_run:
             print(score_plan(args.load, model, params_dtype, parallel, world_size, len(records)))
             return
-    # After the dry run, which imports no Megatron-Core.
-    from megatron.core import parallel_state
+    # After the dry run, which imports no Megatron-Core: scoring does.
+    from megacispo.evaluation.scoring import score
 
     init_distributed(parallel, seed=0)
     try:
         with bad_input_exits(CheckpointError):  # raised on every rank alike
             score(args.load, args.out, model, parallel, records, params_dtype)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def main(argv: list[str] | None = None) -> int:

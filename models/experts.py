@@ -46,7 +46,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-
 def supports_fused_forward(config: TransformerConfig) -> bool:
     """Whether ``SkipEmptySequentialMLP`` computes these experts itself (plain SwiGLU, no bias)."""
     return (

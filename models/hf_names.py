@@ -146,41 +146,6 @@ def detect_experts_layout(hf_names: Any) -> str:
     raise ValueError("no MoE experts found among the HF tensor names: expected block_sparse_moe.* or mlp.experts.*.")
 
 
-def full_to_hf(
-    tensors: Mapping[str, torch.Tensor], config: HybridModelConfig, experts_layout: str = LEGACY
-) -> dict[str, torch.Tensor]:
-    """Our full tensors (checkpoint keys) -> HF tensors."""
-    hf_tensors = {}
-    for mapping in tensor_mappings(config, experts_layout):
-        if mapping.key not in tensors:
-            raise ValueError(f"tensor {mapping.key} is missing from the model's tensors.")
-        hf_tensors.update(mapping.to_hf(tensors[mapping.key]))
-    return hf_tensors
-
-
-def hf_to_full(hf_tensors: Mapping[str, torch.Tensor], config: HybridModelConfig) -> dict[str, torch.Tensor]:
-    """HF tensors (either experts layout; derived decay buffers ignored) -> our full tensors."""
-    layout = detect_experts_layout(hf_tensors.keys())
-    return {mapping.key: mapping.from_hf(hf_tensors) for mapping in tensor_mappings(config, layout)}
-
-
-def full_to_single_process(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our full tensors -> the state_dict keys of a model built in one process (TP = PP = EP = 1),
-    where each expert is its own module: ``mlp.experts.local_experts.E.linear_fc{1,2}.weight``."""
-    state_dict = {}
-    for key, tensor in tensors.items():
-        for stacked in (EXPERT_FC1_KEY, EXPERT_FC2_KEY):
-            if key.endswith(stacked):
-                layer_prefix = key[: -len(stacked)]
-                fc = stacked.rsplit(".", 2)[-2]
-                for expert, matrix in enumerate(tensor.unbind(0)):
-                    state_dict[f"{layer_prefix}mlp.experts.local_experts.{expert}.{fc}.weight"] = matrix
-                break
-        else:
-            state_dict[key] = tensor
-    return state_dict
-
-
 # ---------------------------------------------------------------------------------------------
 # Config
 

@@ -16,7 +16,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
-
 _FP32_OR_WIDER = (torch.float32, torch.float64)
 
 

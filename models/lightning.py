@@ -29,7 +29,7 @@ one d x d state per head to the next chunk. Temporaries stay a few MiB whatever 
 Gradients. A custom autograd.Function saves q, k, v, the initial state and one state per chunk,
 and recomputes the [B, B] block scores and the block states in backward, chunk by chunk in
 reverse. Plain autograd through the same forward keeps about 3x more for backward
-(benchmarks/lightning_attention.py measures both; see docs/benchmarks.md). The decay rates get
+(benchmarks/lightning_attention.py measures both; see docs/reports/benchmarks.md). The decay rates get
 no gradient: they are fixed buffers derived from the layer index.
 
 Shapes: b batch, n tokens, h heads, d head dim, B block size, nb blocks, G blocks in a chunk,
@@ -170,7 +170,7 @@ def lightning_attention(
     With cu_seqlens (int [D + 1], cumulative document offsets as in flash-attn varlen, batch 1):
     the state resets at every document start, and initial_state / final state are [D, h, d, d].
     initial_state None means zeros. Gradients flow to q, k, v and initial_state, not to decay.
-    block_size: 256 as in the public code; on a CPU 64 to 128 is faster (docs/benchmarks.md).
+    block_size: 256 as in the public code; on a CPU 64 to 128 is faster (docs/reports/benchmarks.md).
     Returns (out [b, n, h, d], final_state).
 
     CUDA tensors go to the Triton kernel (models/lightning_triton.py) with its own block size: a

@@ -230,9 +230,14 @@ def broadcast_from_last_stage(tensor: torch.Tensor, pp_group) -> torch.Tensor:
     return tensor
 
 
-def destroy_distributed() -> None:
+def destroy_model_parallel() -> None:
+    """Megatron's model-parallel state torn down, the process group kept (a process may score again)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+def destroy_distributed() -> None:
+    destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

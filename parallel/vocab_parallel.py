@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
 # The fused head computes about this many bytes of fp32 logits at a time, per rank. On a CPU a tile
 # that stays in the last-level cache makes the exp, the gradient and both matmuls of the backward
 # run from cache (the LM head of an RL update took half the time of 64 MiB chunks of whole rows,

@@ -11,8 +11,8 @@ On data.test_prompts, greedily, in one process (TP = PP = 1), prints:
                              response's first position (teacher-forced on the prompt): how often
                              sampling would take the worked branch
 Both branches are graded by rl.reward; the task's is ``numeric``, which reads the sum of either
-branch (megacispo.tasks). rollout.max_new_tokens must leave room for the worked steps (about 8
-tokens per column). The marker is megacispo.tasks.WORKED_MARKER unless --marker says otherwise; it
+branch (arithmetic_tasks). rollout.max_new_tokens must leave room for the worked steps (about 8
+tokens per column). The marker is arithmetic_tasks.WORKED_MARKER unless --marker says otherwise; it
 must be one token of data.tokenizer.
 """
 
@@ -23,18 +23,19 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from arithmetic_tasks import WORKED_MARKER
 
-from megacispo.checkpoint import CheckpointError
-from megacispo.cli import bad_input_exits, build_parser, load_rl_prompt_file, load_tokenizer, start_up
+from megacispo.checkpoint.distributed import CheckpointError
 from megacispo.config import Config
-from megacispo.data import PromptRecord, prompt_token_ids
-from megacispo.eval import check_eval, load_model, weights_source
-from megacispo.evaluation import EVAL_STREAM, response_text
+from megacispo.data.prompts import PromptRecord, prompt_token_ids
+from megacispo.data.rewards import get_reward_fn, score_responses
+from megacispo.data.tokenizer import Tokenizer
+from megacispo.evaluation.evaluator import EVAL_STREAM, response_text
+from megacispo.evaluation.run import load_model
+from megacispo.evaluation.source import check_eval, weights_source
 from megacispo.parallel.layout import destroy_distributed, init_distributed, run_device
-from megacispo.rewards import get_reward_fn, score_responses
-from megacispo.rollout import generate, sample_keys
-from megacispo.tasks import WORKED_MARKER
-from megacispo.tokenizer import Tokenizer
+from megacispo.rollout.generate import generate, sample_keys
+from megacispo.startup import bad_input_exits, build_parser, load_rl_prompt_file, load_tokenizer, start_up
 
 
 @dataclass(frozen=True)

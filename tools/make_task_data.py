@@ -23,8 +23,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from megacispo.data import atomic_write_text, format_jsonl
-from megacispo.tasks import MAX_DIGITS, MAX_OPERANDS, TASK_OPERATORS, ArithmeticTask, TaskData, generate_task_data
+from arithmetic_tasks import MAX_DIGITS, MAX_OPERANDS, TASK_OPERATORS, ArithmeticTask, TaskData, generate_task_data
+
+from megacispo.data.prompts import format_jsonl
+from megacispo.files import atomic_write_text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import MiniMaxConfig, MiniMaxForCausalLM, PreTrainedTokenizerFast
 
-from megacispo.data import atomic_save_pretrained, atomic_write_bytes
+from megacispo.files import atomic_save_pretrained, atomic_write_bytes
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -94,7 +94,7 @@ def build_model(
     num_experts: int = 4, max_position_embeddings: int = 4096,
 ) -> Path:
     """Save a randomly initialised ``transformers.MiniMaxForCausalLM`` (the tiny shape of
-    tests/test_model_hf_parity.py) to ``out_dir``; ``vocab_size`` must be at least the tokenizer's."""
+    megacispo.testing.hf_models) to ``out_dir``; ``vocab_size`` must be at least the tokenizer's."""
     if num_layers % 8:
         raise ValueError(f"num_layers={num_layers}: megacispo's layer pattern LLLLLLLS needs a multiple of 8")
     config = MiniMaxConfig(

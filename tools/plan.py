@@ -34,7 +34,7 @@ Bytes per parameter (stated assumptions):
 
 Activations: the tensors the forward keeps for the backward, itemized for one micro-batch of
 T = micro_batch x seq_len tokens from what this repository's modules save (measured with
-torch.autograd.graph.saved_tensors_hooks on the tiny model; tests/test_plan.py compares).
+torch.autograd.graph.saved_tensors_hooks on the tiny model; tests/multiprocess/test_plan.py compares).
 "/SP" means divided by TP under sequence parallelism; a = 2 bytes (bf16); g = bytes of a GEMM
 input, a in bf16 and 1 in fp8 (Transformer Engine saves the fp8 cast of a GEMM's input).
 
@@ -80,8 +80,8 @@ EP and DP communicators, all-to-all and all-gather staging, allocator fragmentat
 
 Rollout (--rollout-slots N, --rollout-length L): the slot engine's cache for N sequences of up to L
 tokens (rollout.max_running, data.max_prompt_tokens + rollout.max_new_tokens), as
-megacispo.rollout.rollout_cache_bytes counts it on the stage that holds the most: the softmax
-layers' bf16 keys and values for 1.25 L positions (megacispo.rollout.slot_capacity), the lightning
+megacispo.rollout.generate.rollout_cache_bytes counts it on the stage that holds the most: the softmax
+layers' bf16 keys and values for 1.25 L positions (megacispo.rollout.generate.slot_capacity), the lightning
 layers' fp32 [heads/TP, d, d] states, and the [N, V] logits with the sampler's copies (24 bytes a
 number). Rollouts run between updates: the weights, gradients, optimizer states and overhead stay
 resident, the training activations do not. The exit status also says whether that fits.
@@ -94,7 +94,6 @@ import math
 import sys
 from dataclasses import dataclass
 
-from megacispo.cli import bad_input_exits
 from megacispo.models.config import (
     LIGHTNING,
     MODEL_SIZES,
@@ -107,7 +106,8 @@ from megacispo.models.config import (
 from megacispo.models.lightning import CHUNK_TOKENS
 from megacispo.parallel.layout import ParallelConfig, validate_layout
 from megacispo.parallel.vocab_parallel import LOGITS_KEEP_BYTES, LOGITS_TILE_BYTES
-from megacispo.rollout import rollout_cache_bytes
+from megacispo.rollout.generate import rollout_cache_bytes
+from megacispo.startup import bad_input_exits
 
 GIB = 2**30
 RECOMPUTE_MODES = RECOMPUTE_GRANULARITIES  # the run config's recompute.granularity names

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
-from megacispo.data import atomic_write_bytes, atomic_write_text
-from megacispo.metrics import TENSORBOARD_DIR, read_scalars
+from megacispo.files import atomic_write_bytes, atomic_write_text
+from megacispo.metrics.logger import TENSORBOARD_DIR, read_scalars
 
 Series = list[tuple[int, float]]
 """One scalar of one run: (step, value) in logged order."""
@@ -41,7 +41,7 @@ ACCURACY_TAG = "eval/accuracy"
 CLIP_HIGH_TAG = "loss/clip_frac_high"
 CLIP_LOW_TAG = "loss/clip_frac_low"
 MASK_TAG = "loss/mask_frac"
-# The fork task's probe (logging.probe_token): the trainer logs the clip fractions of the marker
+# The fork task's probe (logging.metric_hooks.probe_token): the trainer logs the clip fractions of the marker
 # tokens only at steps that sampled one, so these series may skip steps.
 PROBE_START_TAG = "probe/start_prob"
 PROBE_CLIP_HIGH_TAG = "probe/clip_frac_high"
@@ -49,7 +49,7 @@ PROBE_CLIP_LOW_TAG = "probe/clip_frac_low"
 EPS_HIGH_TAG = "loss/eps_high_current"
 # (tag, panel title); the table needs the first and the clip fractions, so every run must hold them.
 # What "clipped" means differs by loss (PPO clip drops the token's gradient, CISPO caps its IS weight):
-# docs/cispo_vs_baselines.md explains.
+# docs/reports/cispo_vs_baselines.md explains.
 REQUIRED_PANELS: tuple[tuple[str, str], ...] = (
     (ACCURACY_TAG, "held-out accuracy (greedy)"),
     ("rollout/reward_mean", "rollout reward (mean)"),
@@ -58,7 +58,7 @@ REQUIRED_PANELS: tuple[tuple[str, str], ...] = (
     (CLIP_LOW_TAG, "fraction of tokens clipped low"),
 )
 # Drawn where some run has the tag: the mask (all megacispo losses log it, 0 without one), the probe
-# (runs with logging.probe_token) and the adapted bound (runs with rl.adaptive_clip).
+# (runs with logging.metric_hooks.probe_token) and the adapted bound (runs with rl.adaptive_clip).
 OPTIONAL_PANELS: tuple[tuple[str, str], ...] = (
     (MASK_TAG, "fraction of tokens masked"),
     (PROBE_START_TAG, "marker probability at the response's start"),
@@ -132,7 +132,7 @@ def group_runs(run_dirs: Sequence[Path], pattern: str = DEFAULT_GROUP_REGEX) -> 
 
 
 def load_run(run_dir: Path, required_tags: Sequence[str]) -> dict[str, Series]:
-    """A run's scalars (megacispo.metrics.read_scalars); ValueError naming the directory if it has
+    """A run's scalars (megacispo.metrics.logger.read_scalars); ValueError naming the directory if it has
     no TensorBoard events or lacks one of ``required_tags``."""
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the train.run_dir of a finished run")

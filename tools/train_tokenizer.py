@@ -5,7 +5,7 @@
 --vocab-size is an upper bound: a small corpus (the arithmetic task's) yields fewer pieces, which a
 model with a 512-row embedding uses as is. --exact-vocab-size turns a shortfall into an error.
 The choices behind the model (digits split, byte fallback, fixed special ids) are documented in
-megacispo/tokenizer.py.
+megacispo/data/tokenizer.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megacispo.tokenizer import Tokenizer, train_sentencepiece
+from megacispo.data.tokenizer import Tokenizer, train_sentencepiece
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,7 @@
 //     wait for each other (milliseconds a call) when another process holds a core.
 //   - Everything else in fp32 with contiguous or transposed operands: oneDNN (torch's own build of
 //     it), where it takes fp32, i.e. on CPUs with AVX-512. MKL runs no AVX-512 code on AMD CPUs;
-//     oneDNN multiplied about twice as fast on this project's 2-core AMD EPYC VM (docs/cpu.md).
+//     oneDNN multiplied about twice as fast on this project's 2-core AMD EPYC VM (docs/guides/cpu.md).
 //   - All the rest (other dtypes, other layouts, empty products): torch's own CPU kernels.
 //
 // The out= form of mm, which torch.compile's graphs call, takes the same kernels.

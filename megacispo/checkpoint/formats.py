@@ -1,0 +1,62 @@
+"""The two checkpoint formats on disk, as far as telling them apart and reading their configs goes:
+the file names of a megacispo checkpoint (a Megatron distributed checkpoint with meta.json) and of a
+Hugging Face MiniMax directory (config.json and safetensors), and the model an HF config.json
+describes. Light on purpose: loading a run config reads these, before anything heavy is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megacispo.models import hf_names
+from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig
+
+# A megacispo checkpoint's record of itself, written last (megacispo.checkpoint.distributed).
+META_FILE = "meta.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_DTYPE_OF = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of an HF directory; ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): download it again.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object: download it again.")
+    return value
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    """A Hugging Face model directory (config.json or safetensors weights), not a megacispo
+    checkpoint (meta.json). One with weights but no config.json counts: hf_model_config then says
+    what is missing."""
+    path = Path(path)
+    marks = (CONFIG_FILE, SINGLE_FILE, INDEX_FILE)
+    return not (path / META_FILE).is_file() and any((path / name).is_file() for name in marks)
+
+
+def hf_model_config(path: str | os.PathLike) -> HybridModelConfig:
+    """The model that the HF directory's config.json describes; ValueError naming the file."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"{Path(path)}: it has no {CONFIG_FILE}; pass a Hugging Face model directory.")
+    try:
+        return hf_names.config_from_hf(read_json(config_path))
+    except (TypeError, ValueError) as error:
+        # A missing field reaches config_from_hf as None: TypeError (layer_types) or a model.* ValueError.
+        raise ValueError(f"{config_path} does not describe a MiniMax model ({error}): fix it or download it "
+                         f"again.") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The PARAMS_DTYPES name of ``dtype`` (as precision.params_dtype spells it)."""
+    return next(name for name, value in PARAMS_DTYPES.items() if value == dtype)

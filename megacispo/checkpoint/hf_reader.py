@@ -1,0 +1,243 @@
+"""Reading a Hugging Face MiniMax directory: its tensors' files, shapes and dtypes from the headers,
+checked against the model before anything is written or built, and each tensor (or the region of one
+of ours that a chunk covers) read with exactly the bytes it needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from megacispo.checkpoint.formats import CONFIG_FILE, INDEX_FILE, SAFETENSORS_DTYPE_OF, SINGLE_FILE, read_json
+from megacispo.checkpoint.streaming import TensorMeter, nbytes
+from megacispo.models.config import PARAMS_DTYPES
+from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY, FUSED
+
+# Derived (recomputed) lightning buffers that HF may hold: neither read nor written.
+DERIVED_SUFFIXES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+
+@dataclasses.dataclass
+class HFCheckpoint:
+    """An HF directory's config and where each tensor lives."""
+
+    directory: Path
+    config: dict[str, Any]
+    file_of: dict[str, str]
+    """HF tensor name -> safetensors file name (relative to directory)."""
+    shape_of: dict[str, tuple[int, ...]]
+    dtype_of: dict[str, str]
+    """HF tensor name -> safetensors dtype name (F32, BF16, ...)."""
+
+    def path_of(self, name: str) -> Path:
+        return self.directory / self.file_of[name]
+
+
+def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
+    """config.json and each tensor's file, shape and dtype; checks that every listed file exists
+    and that the index names only tensors its files hold. Reads headers only, no tensor data."""
+
+    directory = Path(hf_dir)
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: no such directory; pass a Hugging Face model directory.")
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"{directory}: it has no {CONFIG_FILE}; pass a Hugging Face model directory.")
+    config = read_json(config_path)
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path} has no weight_map object: download it again.")
+        file_of = dict(weight_map)
+    elif (directory / SINGLE_FILE).is_file():
+        file_of = {}
+    else:
+        raise ValueError(f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE} is there; pass a Hugging Face model "
+                         f"directory with its weights.")
+    files = sorted(set(file_of.values())) or [SINGLE_FILE]
+    listed_by_index = bool(file_of)
+    shape_of, dtype_of = {}, {}
+    for file_name in files:
+        path = directory / file_name
+        if not path.is_file():
+            first = next((name for name, f in file_of.items() if f == file_name), "?")
+            raise ValueError(
+                f"shard {path} is missing: {INDEX_FILE} places tensor {first} (and others) in it. "
+                f"Download the complete checkpoint."
+            )
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    tensor_slice = handle.get_slice(name)
+                    shape_of[name], dtype_of[name] = tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
+                    if not listed_by_index:
+                        file_of[name] = file_name
+        except SafetensorError as error:
+            raise ValueError(f"{path} is not a readable safetensors file ({error}): download it again.") from None
+    for name, file_name in file_of.items():
+        if name not in shape_of:
+            raise ValueError(
+                f"tensor {name} is listed in {index_path} under {directory / file_name}, but that file does not "
+                f"hold it."
+            )
+    return HFCheckpoint(directory, config, file_of, shape_of, dtype_of)
+
+
+class HFTensorReader:
+    """HF tensors by name, read with plain file reads at the offsets of the safetensors header:
+    exactly the requested bytes are allocated. (safetensors' safe_open memory-maps the file, whose
+    pages stay resident while it is open, and in 0.8 a slice [i] of a tensor keeps the whole
+    tensor's storage.)"""
+
+    def __init__(self, checkpoint: HFCheckpoint, meter: TensorMeter | None = None):
+        self.checkpoint = checkpoint
+        self.meter = meter
+        self.headers: dict[str, tuple[int, dict[str, Any]]] = {}
+        """file name -> (where its data starts, its header)"""
+
+    def _header(self, file_name: str) -> tuple[int, dict[str, Any]]:
+        if file_name not in self.headers:
+            with open(self.checkpoint.directory / file_name, "rb") as file:
+                header_bytes = int.from_bytes(file.read(8), "little")
+                self.headers[file_name] = (8 + header_bytes, json.loads(file.read(header_bytes)))
+        return self.headers[file_name]
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor, or only its slice [index] along the first axis."""
+        file_name = self.checkpoint.file_of[name]
+        data_start, header = self._header(file_name)
+        entry = header[name]
+        if entry["dtype"] not in SAFETENSORS_DTYPE_OF:
+            raise ValueError(
+                f"HF tensor {name} in {self.checkpoint.path_of(name)} is {entry['dtype']}: the converter reads "
+                f"{sorted(SAFETENSORS_DTYPE_OF)}."
+            )
+        shape, start = tuple(entry["shape"]), entry["data_offsets"][0]
+        if index is not None:
+            shape = shape[1:]
+            start += index * nbytes(shape, SAFETENSORS_DTYPE_OF[entry["dtype"]])
+        # On the host: the file is read into its bytes through numpy.
+        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPE_OF[entry["dtype"]], device="cpu")
+        if self.meter is not None:
+            self.meter.track(tensor)
+        with open(self.checkpoint.path_of(name), "rb") as file:
+            file.seek(data_start + start)
+            # Into the tensor's own bytes, as uint8 (numpy has no bfloat16); little-endian host.
+            if file.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != tensor.nbytes:
+                raise ValueError(f"{self.checkpoint.path_of(name)} ends inside tensor {name}: the file is truncated.")
+        return tensor
+
+
+def check_no_unknown_tensors(checkpoint: HFCheckpoint, mappings: list) -> None:
+    """Every HF tensor must map to one of ours (derived decay buffers aside)."""
+    known = {name for mapping in mappings for name in mapping.hf_names}
+    for name, file_name in sorted(checkpoint.file_of.items()):
+        if name not in known and not name.endswith(DERIVED_SUFFIXES):
+            raise ValueError(
+                f"unknown HF tensor {name} in {checkpoint.directory / file_name}: it maps to no tensor of the model "
+                f"described by {CONFIG_FILE} (a different architecture, or a config that does not match the weights)."
+            )
+
+
+def hf_params_dtype(checkpoint: HFCheckpoint, requested: str = "auto") -> torch.dtype:
+    """``requested`` (a name of PARAMS_DTYPES), or for "auto" the dtype the HF tensors are stored in."""
+    if requested != "auto":
+        return PARAMS_DTYPES[requested]
+    name = "model.embed_tokens.weight"
+    if name not in checkpoint.dtype_of:
+        raise ValueError(f"HF tensor {name} is missing from {checkpoint.directory}.")
+    by_safetensors_name = {"F32": torch.float32, "BF16": torch.bfloat16}
+    dtype = checkpoint.dtype_of[name]
+    if dtype not in by_safetensors_name:
+        raise ValueError(
+            f"HF tensors are {dtype} ({name}): pass --dtype float32 or --dtype bfloat16 to convert them."
+        )
+    return by_safetensors_name[dtype]
+
+
+def check_hf_shapes(checkpoint: HFCheckpoint, mappings: list, global_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Before anything is written: every HF tensor is there, the ones merged into one of ours agree
+    with each other, and they give our tensor the shape the model has."""
+    for mapping in mappings:
+        for name in mapping.hf_names:
+            if name not in checkpoint.file_of:
+                raise ValueError(
+                    f"HF tensor {name} is missing from {checkpoint.directory} (no file holds it): the checkpoint "
+                    f"does not match its {CONFIG_FILE} (layer count, expert count or layer types)."
+                )
+        first = mapping.hf_names[0]
+        for name in mapping.hf_names:
+            if checkpoint.shape_of[name] != checkpoint.shape_of[first]:
+                raise ValueError(
+                    f"HF tensor {name} in {checkpoint.path_of(name)} has shape {checkpoint.shape_of[name]}, but "
+                    f"{first} has {checkpoint.shape_of[first]}: the checkpoint does not match its {CONFIG_FILE}."
+                )
+        # The merge on the meta device gives the merged shape without touching data.
+        merged = mapping.merge(tuple(torch.empty(checkpoint.shape_of[n], device="meta") for n in mapping.hf_names))
+        if tuple(merged.shape) != global_shapes[mapping.key]:
+            sources = ", ".join(f"{name} in {checkpoint.path_of(name)}" for name in mapping.hf_names[:2])
+            more = " ..." if len(mapping.hf_names) > 2 else ""
+            raise ValueError(
+                f"HF tensor(s) {sources}{more} give {mapping.key} the shape {tuple(merged.shape)}, but the model "
+                f"described by {CONFIG_FILE} needs {global_shapes[mapping.key]}: the config does not match the weights."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One stored piece of one of our tensors: the region [offsets, offsets + sizes) of the
+    global tensor ``key`` (Megatron stores each expert's matrices, and SwiGLU halves, apart)."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.sizes, self.dtype)
+
+
+class HFChunkSource:
+    """Each chunk of ours, read from the HF tensors it is made of when asked for."""
+
+    def __init__(self, reader: HFTensorReader, mappings: list, experts_layout: str, params_dtype: torch.dtype):
+        self.reader = reader
+        self.mapping_of = {mapping.key: mapping for mapping in mappings}
+        self.experts_layout = experts_layout
+        self.params_dtype = params_dtype
+
+    def read(self, chunk: Chunk) -> torch.Tensor:
+
+        mapping = self.mapping_of[chunk.key]
+        if chunk.key.endswith((EXPERT_FC1_KEY, EXPERT_FC2_KEY)):
+            first_expert, num_experts = chunk.offsets[0], chunk.sizes[0]
+            experts = [self._expert(mapping, e) for e in range(first_expert, first_expert + num_experts)]
+            tensor = experts[0][None] if num_experts == 1 else torch.stack(experts)
+            start_dim = 1
+        else:
+            tensor, start_dim = self.reader.read(mapping.hf_names[0]), 0
+        for dim in range(start_dim, len(chunk.sizes)):
+            tensor = tensor.narrow(dim, chunk.offsets[dim], chunk.sizes[dim])
+        tensor = tensor.to(self.params_dtype)
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            # A SwiGLU half of an expert: keep only its own bytes alive in the writer.
+            tensor = tensor.clone()
+        return self.reader.meter.track(tensor) if self.reader.meter is not None else tensor
+
+    def _expert(self, mapping, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s matrix of a stacked tensor: [2I, H] = [W1; W3] for fc1, [H, I] for fc2."""
+
+        if self.experts_layout == FUSED:
+            return self.reader.read(mapping.hf_names[0], index=expert)
+        if mapping.key.endswith(EXPERT_FC1_KEY):
+            # legacy names run expert by expert: w1, w3 of expert 0, then of expert 1, ...
+            return torch.cat([self.reader.read(mapping.hf_names[2 * expert + half]) for half in (0, 1)])
+        return self.reader.read(mapping.hf_names[expert])

@@ -1,0 +1,1 @@
+"""Held-out evaluation: its config section, the evaluator, pass@k, the megacispo.eval run and scoring."""

@@ -1,0 +1,79 @@
+"""Per-token log-probabilities of token sequences under a checkpoint, behind the entry point
+megacispo.score: the model built with its weights, each sequence through Megatron's schedule (forward
+only), the records split over the data-parallel ranks and written by rank 0."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megacispo.checkpoint.distributed import load_checkpoint, resolve_checkpoint
+from megacispo.checkpoint.formats import is_hf_directory
+from megacispo.checkpoint.hf import load_hf_weights
+from megacispo.files import atomic_write_text
+from megacispo.models.config import HybridModelConfig
+from megacispo.parallel.layout import ParallelConfig, run_device
+from megacispo.parallel.vocab_parallel import vocab_parallel_logprobs
+from megacispo.training.engine import build_inference_model
+
+
+@torch.no_grad()
+def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | None:
+    """[len(tokens) - 1] fp32 log-probs of each next token on the last pipeline stage (None on
+    the others), through Megatron's schedule (forward only; 1F1B hands activations between stages)."""
+    device = run_device()
+    tp_size = torch.distributed.get_world_size(tp_group)
+    padded = -(-len(tokens) // tp_size) * tp_size if model.config.sequence_parallel else len(tokens)
+    input_ids = torch.zeros(1, padded, dtype=torch.long, device=device)
+    input_ids[0, : len(tokens)] = torch.tensor(tokens, device=device)
+    targets = input_ids[:, 1 : len(tokens)]
+
+    def loss_func(logits: torch.Tensor):  # logits [1, padded, V/TP]
+        logprobs = vocab_parallel_logprobs(logits[:, : len(tokens) - 1].float(), targets, tp_group=tp_group)
+        return logits.new_zeros(()), {"logprobs": logprobs[0].cpu()}
+
+    def forward_step(data_iterator, model_chunk):
+        return model_chunk(next(data_iterator)), loss_func
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([input_ids]), model=[model], num_microbatches=1,
+        seq_length=padded, micro_batch_size=1, forward_only=True,
+    )
+    return outputs[0]["logprobs"] if outputs else None
+
+
+def score(load: str, out: str, config: HybridModelConfig, parallel: ParallelConfig, records: list[dict],
+          params_dtype: str) -> None:
+    """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
+    model = build_inference_model(config, params_dtype, parallel)
+    if is_hf_directory(load):
+        load_hf_weights(model, load)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # RNG states of another layout: not used here
+            load_checkpoint(resolve_checkpoint(load), model, load_rng=False)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    mine = list(range(dp_rank, len(records), dp_size))
+    rounds = -(-len(records) // dp_size)
+    results = {}
+    for position in range(rounds):
+        # Every rank runs the same number of forwards: the MoE's all-to-all spans DP ranks under EP.
+        index = mine[position] if position < len(mine) else None
+        tokens = records[index if index is not None else 0]["tokens"]
+        logprobs = _sequence_logprobs(model, tokens, tp_group)
+        if index is not None and logprobs is not None:
+            results[index] = logprobs.tolist()
+    gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(results, gathered, dst=0)
+    if torch.distributed.get_rank() == 0:
+        merged = {index: logprobs for part in gathered for index, logprobs in part.items()}
+        assert len(merged) == len(records), "every record is scored by some rank"
+        scored = ({**record, "logprobs": merged[i]} for i, record in enumerate(records))
+        atomic_write_text(out, "".join(json.dumps(record) + "\n" for record in scored))
+    torch.distributed.barrier()

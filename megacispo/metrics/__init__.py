@@ -1,0 +1,1 @@
+"""Metrics: the logging config section and the logger (TensorBoard, console, W&B)."""

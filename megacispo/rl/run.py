@@ -1,0 +1,68 @@
+"""An RL run of a config checked at start-up, behind the entry point megacispo.train: the placement
+of rollouts, the process groups, the engine, the trainer, the loop, the export."""
+
+from __future__ import annotations
+
+from megacispo.checkpoint.distributed import CheckpointError, checkpoint_dir
+from megacispo.checkpoint.hf import export_hf
+from megacispo.config import Config
+from megacispo.data.prompts import PromptRecord
+from megacispo.data.rewards import RewardFailureError
+from megacispo.data.tokenizer import Tokenizer
+from megacispo.metrics.logger import MetricsLogger, is_logging_rank
+from megacispo.parallel.layout import destroy_distributed, init_distributed
+from megacispo.rl.metric_hooks import MetricHook
+from megacispo.rl.start import RunStart, checkpoint_root
+from megacispo.rl.trainer import Trainer
+from megacispo.rollout.placement import start_placement
+from megacispo.rollout.remote import RemoteRollouts, run_rollout_process
+from megacispo.startup import bad_input_exits, is_rank_zero
+from megacispo.training.engine import Engine
+
+
+def run_rl(config: Config, start: RunStart, tokenizer: Tokenizer, train_records: list[PromptRecord],
+           test_records: list[PromptRecord], prompt_metrics: dict[str, float], metric_hooks: list[MetricHook]) -> None:
+    """Train on this process (or, under placement.rollout_ranks, generate), from ``start``."""
+    side = start_placement(config.placement, config.parallel) if config.placement.rollout_ranks else None
+    if side is not None and side.is_rollout:
+        run_rollout_process(config, tokenizer, side.bridge)
+        return
+    init_distributed(config.parallel, config.train.seed)
+    engine = Engine(config, total_steps=config.train.steps * config.rl.updates_per_rollout, peak_lr=config.optimizer.lr,
+                    decay_steps=config.optimizer.decay_steps)
+    logger = MetricsLogger.from_config(config, enabled=is_logging_rank())
+    remote = None if side is None else RemoteRollouts(config, side, train_records, tokenizer.pad_id, engine.device)
+    trainer = Trainer(config, engine, tokenizer, train_records, test_records, logger, prompt_metrics, remote,
+                      metric_hooks)
+    with bad_input_exits(CheckpointError):  # raised on every rank alike
+        trainer.start(start)
+    if remote is not None:
+        remote.start(engine.module, trainer.step, trainer.sampler.state_dict())
+    with bad_input_exits(RewardFailureError):  # raised on every rank at the same step
+        accuracy = trainer.fit()
+    if remote is not None:
+        remote.close()
+    if logger.enabled and trainer.stopped_by_signal:
+        print(f"SIGTERM: stopped after step {trainer.step} and saved its checkpoint; continue with --resume")
+    elif logger.enabled:
+        print(f"held-out accuracy: {accuracy['before']:.3f} before RL, {accuracy['after']:.3f} after")
+    logger.close()
+    destroy_distributed()
+    if config.train.export_hf:
+        _export(config, trainer)
+
+
+def _export(config: Config, trainer: Trainer) -> None:
+    """train.export_hf from the run's final checkpoint, in one process (rank 0) once the others are
+    done: the export reads the checkpoint without a process group, so no collective can time out
+    however long it takes."""
+    if not is_rank_zero():
+        return
+    if trainer.stopped_by_signal:
+        print(f"train.export_hf: not written (stopped by SIGTERM); --resume writes {config.train.export_hf} when the "
+              f"run finishes")
+        return
+    with bad_input_exits():
+        path = export_hf(checkpoint_dir(checkpoint_root(config), trainer.step), config.train.export_hf,
+                         trainer.tokenizer)
+    print(f"Hugging Face export: {path}")

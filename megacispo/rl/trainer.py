@@ -1,0 +1,642 @@
+"""The RL loop. One step:
+
+    prompts -> rollouts (G samples each) -> rewards -> overlong shaping -> group-relative advantages
+    -> dynamic sampling -> old log-probs (recomputed by the training engine) -> K mini-batch updates
+    with the policy loss from the registry -> metrics -> periodic checkpoint
+
+SIGTERM (a cluster's preemption, reaching any rank directly or through torchrun) stops the run
+promptly with the last completed step saved. The ranks agree on it at points every rank passes in
+the same order: before each step, before every decode step of its rollouts and before its updates.
+Up to its updates a step changes nothing a checkpoint holds but the sampler position and the RNG
+states, so a step stopped there is abandoned (those two go back to where it began) and the previous
+step is saved. Once the updates have begun the step finishes and is saved: its weights have moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megacispo.checkpoint.distributed import (
+    CheckpointError,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from megacispo.checkpoint.hf import load_start_weights
+from megacispo.config import Config, to_dict
+from megacispo.data.padding import pad_right
+from megacispo.data.prompts import PromptRecord, PromptSampler, prompt_token_ids
+from megacispo.data.rewards import RewardFailureError, RewardScores, get_reward_fn, score_responses
+from megacispo.data.tokenizer import Tokenizer
+from megacispo.evaluation.evaluator import Evaluator, response_text
+from megacispo.metrics.logger import MetricsLogger, Timer, moe_load_balance, pearson_correlation
+from megacispo.models.routing import RoutingTargets, disagreement_metrics
+from megacispo.parallel.layout import broadcast_from_last_stage
+from megacispo.rl import adaptive_clip
+from megacispo.rl.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
+from megacispo.rl.losses import compute_global_counts, compute_policy_loss, reduce_metrics
+from megacispo.rl.metric_hooks import MetricHook, UpdateMicroBatch
+from megacispo.rl.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
+from megacispo.rl.start import RunStart, checkpoint_root
+from megacispo.rollout.generate import Samples, generate, sample_keys
+from megacispo.rollout.remote import RemoteRollouts
+from megacispo.training.engine import Engine
+
+# The extra_state key of the adapted clip bounds in a checkpoint.
+ADAPTIVE_CLIP_STATE = "adaptive_clip"
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded sequences with everything the loss needs; [n, S - 1] tensors are per predicted token."""
+
+    tokens: torch.Tensor
+    """[n, S] prompt + response + padding."""
+    loss_mask: torch.Tensor
+    """[n, S - 1] 1.0 on response tokens."""
+    advantages: torch.Tensor
+    """[n] one advantage per sample."""
+    rollout_logprobs: torch.Tensor
+    """[n, S - 1] log-probs reported by the sampler."""
+    old_logprobs: torch.Tensor | None = None
+    """[n, S - 1] log-probs of pi_old as the training engine computes them."""
+    padding_mask: torch.Tensor | None = None
+    """[n, S] bool, True after each sequence's end; None: no padding."""
+    token_weights: torch.Tensor | None = None
+    """[n, S - 1] detached factors of each token's loss (rl.rollout_correction.mode = tis); None: 1."""
+    routes: torch.Tensor | None = None
+    """[n, S, L, k] the experts the rollout routed each token to in this stage's MoE layers (Samples.routes)."""
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        return TrainBatch(*(None if value is None else value[start:stop] for value in vars(self).values()))
+
+
+@dataclass
+class GroupSamples:
+    """One prompt's G samples of a step, with their advantages."""
+
+    samples: Samples
+    advantages: torch.Tensor
+    """[G] group-relative advantages."""
+
+
+@dataclass
+class RolloutTally:
+    """What a step's rollout rounds add up on this rank, for its rollout/* metrics."""
+
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    """Each round's rewards, before overlong shaping."""
+    lengths: list[torch.Tensor] = field(default_factory=list)
+    """Each round's response lengths."""
+    truncated: float = 0.0
+    """Samples stopped by early truncation."""
+    failures: float = 0.0
+    """Samples whose verifier failed."""
+    first_failure: str = ""
+    """The first verifier failure's text (empty: none)."""
+    groups: float = 0.0
+    """Prompt groups sampled."""
+    dropped: float = 0.0
+    """Groups dynamic sampling dropped."""
+
+
+def routing_targets(micro: TrainBatch, *, compare: bool, replay: bool) -> RoutingTargets | None:
+    """What a training forward of ``micro`` does with the rollout's experts (micro.routes): compare them
+    with its routers' own at the response tokens (``compare``: the old-log-prob pass, for
+    mismatch/router_disagreement), replay them (``replay``: rl.routing_replay). None: neither."""
+    if not (compare or replay):
+        return None
+    padding = micro.padding_mask
+    real = torch.ones_like(micro.tokens, dtype=torch.bool) if padding is None else ~padding
+    # The rollout fed back every token of a sequence but its last.
+    recorded = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    # Token t + 1 is a response token where loss_mask[t] is set.
+    response = torch.cat([torch.zeros_like(real[:, :1]), micro.loss_mask != 0], dim=1)
+    return RoutingTargets(micro.routes, recorded, recorded & response if compare else None, replay)
+
+
+class StepAbandoned(Exception):
+    """Every rank agreed on SIGTERM before the step's updates: nothing of the step is kept."""
+
+
+class ExpertLoadTracker:
+    """Counts the tokens each expert of every MoE layer is routed during training passes.
+
+    A forward hook on each layer's router reads its routing map [tokens, experts] (padding left
+    out, as the router's load-balancing loss leaves it out); ``collect`` sums
+    the counts over all ranks (each rank holds its own tokens: data-parallel shards, and
+    sequence-parallel shards under TP; its pipeline stage's layers only) and resets them.
+    """
+
+    def __init__(self, model, num_layers: int, num_experts: int):
+        # Beside the routers' weights: the routing maps are counted there, and collectives take them there.
+        device = model.decoder.layers[0].mlp.router.weight.device
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        for layer in model.decoder.layers:
+            layer.mlp.router.register_forward_hook(self._hook(layer.layer_number - 1))
+
+    def _hook(self, layer_index: int):
+        def count(module, inputs, outputs):
+            if torch.is_grad_enabled():  # the update passes, not old-logprob or rollout passes
+                _, routing_map = outputs  # [s * b, experts], tokens in [s, b] order
+                padding_mask = inputs[1] if len(inputs) > 1 else None  # [s, b], True at padding
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.counts[layer_index] += routing_map.sum(dim=0).double()
+
+        return count
+
+    def collect(self) -> dict[str, float]:
+        counts = self.counts.clone()
+        dist.all_reduce(counts)
+        self.counts.zero_()
+        return moe_load_balance(counts)
+
+
+class Trainer:
+    """Runs the RL steps of ``config`` on this rank."""
+
+    def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
+                 train_records: list[PromptRecord], test_records: list[PromptRecord], logger: MetricsLogger,
+                 prompt_metrics: dict[str, float] | None = None, remote_rollouts: RemoteRollouts | None = None,
+                 metric_hooks: Sequence[MetricHook] = ()):
+        """remote_rollouts: the rollout processes' samples (placement.rollout_ranks); None: this rank generates.
+        metric_hooks: what the updates measure beyond the loss (logging.metric_hooks, built at start-up)."""
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.test_records = test_records
+        self.logger = logger
+        # What loading did to the prompts (data/*: skipped or truncated for length), logged with the first evaluation.
+        self.prompt_metrics = prompt_metrics or {}
+        self.reward_fn = get_reward_fn(config.rl.reward)
+        self.sampler = PromptSampler(train_records, seed=config.train.seed)
+        # The one source of this rank's process groups; the world (every training rank) is torch's default group.
+        self.dp_group, self.pp_group = engine.groups.dp, engine.groups.pp
+        self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+        self.expert_load = ExpertLoadTracker(engine.module, config.model.num_layers, config.model.num_experts)
+        self.step = 0
+        self.num_skipped_updates = 0
+        self.consumed_samples = 0
+        self._stop_requested = False
+        self.stopped_by_signal = False
+        self._saved_step: int | None = None
+        self.remote_rollouts = remote_rollouts
+        self.rollout_progress: tqdm | None = None
+        # rl.adaptive_clip: the loss's clip bounds, moved after every optimizer step; None: fixed.
+        self.adaptive_clip = adaptive_clip.from_config(config.rl.adaptive_clip, config.rl.loss)
+        self.metric_hooks = list(metric_hooks)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        """Train to config.train.steps; returns the greedy held-out accuracy before and after (NaN without
+        one). Every evaluation logs all the eval section's metrics, the first with the prompt counts."""
+        signal.signal(signal.SIGTERM, self._request_stop)
+        accuracy = {"before": self._log_evaluation(self.prompt_metrics)}
+        while self.step < self.config.train.steps and not self._stop_agreed():
+            try:
+                with self._step_progress():
+                    metrics = self.rl_step()
+            except StepAbandoned:
+                break
+            self.step += 1
+            self.logger.log(self.step, metrics, consumed_samples=self.consumed_samples)
+            every = self.config.train.eval_every
+            if every and self.step % every == 0 and self.step < self.config.train.steps:
+                self._log_evaluation()
+            if self.config.train.checkpoint_every and self.step % self.config.train.checkpoint_every == 0:
+                self.save()
+        self.save()
+        if self.stopped_by_signal:
+            return {**accuracy, "after": float("nan")}
+        accuracy["after"] = self._log_evaluation()
+        return accuracy
+
+    @contextlib.contextmanager
+    def _step_progress(self):
+        """The step's one progress bar, drawn on the logging rank: every rollout round of the step
+        (dynamic sampling may take several) counts its samples on it; the step's line replaces it."""
+        with tqdm(total=0, desc=f"step {self.step + 1} rollout", unit="sample", leave=False,
+                  disable=not self.logger.enabled) as self.rollout_progress:
+            yield
+        self.rollout_progress = None
+
+    def rl_step(self) -> dict[str, float]:
+        """One step; StepAbandoned when SIGTERM is agreed before its updates."""
+        timer = Timer(self.engine.device)
+        with self._abandonable():
+            with timer("rollout"):
+                batch, rollout_metrics = self.collect_rollouts()
+            with timer("old_logprobs"):
+                batch.old_logprobs = self.compute_old_logprobs(batch)
+            self._abandon_if_stopped()
+        rollout_metrics.update(self.correct_rollout_gap(batch))
+        with timer("update"):
+            update_metrics = self.update(batch)
+        update_metrics.update(self.expert_load.collect())
+        if self.remote_rollouts is not None:
+            self.remote_rollouts.publish(self.engine.module, self.step + 1)
+            update_metrics.update(self.remote_rollouts.finish_step())
+        timings = timer.metrics()
+        num_tokens = self._all_reduce(float(batch.loss_mask.sum()))
+        timings["perf/tokens_per_s"] = num_tokens / sum(timings.values())
+        self.consumed_samples += len(batch) * self.dp_size
+        return {**rollout_metrics, **update_metrics, **timings}
+
+    # -- rollouts -------------------------------------------------------------------------------
+
+    def collect_rollouts(self) -> tuple[TrainBatch, dict[str, float]]:
+        """Sample until this rank holds rollout.prompts_per_step / DP groups with informative rewards.
+
+        Every DP rank draws the same global prompt batch and takes its slice, so the sampler state
+        stays identical across ranks (and in checkpoints). If dynamic sampling has not filled the
+        batch after rollout.max_sampling_rounds, dropped groups top it up: their advantages are 0,
+        so they add no gradient, and every rank keeps the same batch size.
+        """
+        rollout = self.config.rollout
+        group_size = rollout.group_size
+        quota = rollout.prompts_per_step // self.dp_size
+        kept: list[GroupSamples] = []
+        spare: list[GroupSamples] = []
+        tally = RolloutTally()
+        for _ in range(rollout.max_sampling_rounds):
+            if self.remote_rollouts is None:
+                records = self.sampler.next_batch(quota * self.dp_size)[self.dp_rank * quota:(self.dp_rank + 1) * quota]
+                samples, scores = self._sample(records)
+            else:
+                records, samples, scores = self.remote_rollouts.take(self.sampler, self.step, self.dp_rank, quota)
+            rewards = self._shape_rewards(samples, scores, tally)
+            advantages = group_relative_advantages(rewards, group_size, eps=self.config.rl.advantage_eps)
+            keep = dynamic_sampling_keep_mask(rewards, group_size) if rollout.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+            keep_flags = keep.tolist()  # one copy to the host for all the groups
+            for group in range(len(records)):
+                rows = slice(group * group_size, (group + 1) * group_size)
+                group_samples = GroupSamples(samples.select(rows), advantages[rows])
+                (kept if keep_flags[rows.start] else spare).append(group_samples)
+            tally.groups += len(records)
+            tally.dropped += keep_flags.count(False) / group_size
+            if self._all_reduce(len(kept), dist.ReduceOp.MIN) >= quota:
+                break
+        chosen = (kept + spare)[:quota]
+        metrics = self._rollout_metrics(tally, chosen)
+        self._check_reward_health(metrics["rollout/reward_failure_frac"], tally.first_failure)
+        return self._to_train_batch(chosen), metrics
+
+    def _sample(self, records: list[PromptRecord]) -> tuple[Samples, RewardScores]:
+        """This rank's samples of ``records`` and their rewards."""
+        rollout = self.config.rollout
+        prompts = [prompt_token_ids(self.tokenizer, r) for r in records for _ in range(rollout.group_size)]
+        samples = generate(
+            self.engine.module, prompts, rollout, stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
+            keys=self._sample_keys(len(records)), lockstep_group=self.dp_group,
+            progress=self.rollout_progress, interrupt=self._abandon_if_stopped,
+        )
+        texts = [response_text(self.tokenizer, samples, row) for row in range(len(prompts))]
+        repeated = [r for r in records for _ in range(rollout.group_size)]
+        return samples, score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
+
+    def _shape_rewards(self, samples: Samples, scores: RewardScores, tally: RolloutTally) -> torch.Tensor:
+        """The rewards with overlong shaping, counted in ``tally``."""
+        rewards = torch.tensor(scores.rewards, dtype=torch.float32, device=self.engine.device)
+        tally.rewards.append(rewards.clone())
+        if self.config.rl.overlong_max_length:
+            rewards = rewards + overlong_penalty(samples.response_lengths, self.config.rl.overlong_max_length,
+                                                 self.config.rl.overlong_cache_length, self.config.rl.overlong_penalty)
+        tally.lengths.append(samples.response_lengths.float())
+        tally.truncated += float(samples.truncated_early.sum())
+        tally.failures += scores.num_failures
+        tally.first_failure = tally.first_failure or scores.first_failure
+        return rewards
+
+    def _sample_keys(self, num_prompts: int) -> torch.Tensor:
+        """The random streams of this rank's samples of the prompts just drawn: from the seed, the step,
+        the sampler's position (a new one for each sampling round) and each sample's place in the
+        global batch. The same on the ranks of a TP group (they must draw the same tokens), the same
+        samples at any data-parallel size, and a resumed run draws what the uninterrupted run would have."""
+        stream = (self.config.train.seed, self.step, self.sampler.epoch, self.sampler.position)
+        first = self.dp_rank * num_prompts
+        return sample_keys(stream, range(first, first + num_prompts), self.config.rollout.group_size,
+                           device=self.engine.device)
+
+    def _to_train_batch(self, chosen: list[GroupSamples]) -> TrainBatch:
+        width = self.engine.padded_length(max(group.samples.tokens.shape[1] for group in chosen))
+        samples = [group.samples for group in chosen]
+        return TrainBatch(
+            tokens=torch.cat([pad_right(s.tokens, width, self.tokenizer.pad_id) for s in samples]),
+            loss_mask=torch.cat([pad_right(s.loss_mask, width - 1) for s in samples]),
+            advantages=torch.cat([group.advantages for group in chosen]),
+            rollout_logprobs=torch.cat([pad_right(s.rollout_logprobs, width - 1) for s in samples]),
+            padding_mask=torch.cat([s.padding_mask(width) for s in samples]),
+            routes=torch.cat([pad_right(s.routes, width) for s in samples]),
+        )
+
+    def _rollout_metrics(self, tally: RolloutTally, chosen: list[GroupSamples]) -> dict[str, float]:
+        rewards = torch.cat(tally.rewards)
+        lengths = torch.cat(tally.lengths)
+        advantages = torch.cat([group.advantages for group in chosen])
+        local = torch.tensor([
+            float(rewards.sum()), float((rewards ** 2).sum()), float(rewards.numel()),
+            float((rewards >= 1.0).sum()), float(lengths.sum()), tally.truncated, tally.failures,
+            tally.groups, tally.dropped, float(advantages.sum()), float(advantages.abs().sum()),
+            float(advantages.numel()),
+        ], dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(local, group=self.dp_group)
+        (reward_sum, reward_sq, n, correct, length_sum, truncated, failures, groups, dropped,
+         adv_sum, adv_abs, n_adv) = local.tolist()
+        max_length = self._all_reduce(float(lengths.max()), dist.ReduceOp.MAX)
+        mean = reward_sum / n
+        return {
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": max(reward_sq / n - mean ** 2, 0.0) ** 0.5,
+            "rollout/accuracy": correct / n,
+            "rollout/response_length_mean": length_sum / n,
+            "rollout/response_length_max": max_length,
+            "rollout/early_truncated_frac": truncated / n,
+            "rollout/reward_failures": failures,
+            "rollout/reward_failure_frac": failures / n,
+            "rollout/dynamic_sampling_dropped_frac": dropped / max(groups, 1.0),
+            "advantage/mean": adv_sum / n_adv,
+            "advantage/abs_mean": adv_abs / n_adv,
+        }
+
+    def _check_reward_health(self, failure_frac: float, first_failure: str) -> None:
+        """Stop when the verifier failed on too many of the step's samples. The fraction is reduced
+        over the data-parallel ranks, so every rank stops at the same step."""
+        if failure_frac <= self.config.rl.max_reward_failure_frac:
+            return
+        first_failures: list = [None] * self.dp_size
+        dist.all_gather_object(first_failures, first_failure, group=self.dp_group)
+        raise RewardFailureError(self.config.rl.reward, failure_frac, self.config.rl.max_reward_failure_frac,
+                                 next(text for text in first_failures if text))
+
+    def correct_rollout_gap(self, batch: TrainBatch) -> dict[str, float]:
+        """The gap between the rollout's log-probs and the training engine's old log-probs, measured
+        (mismatch/*, over every data-parallel rank) and corrected as rl.rollout_correction says: the
+        batch's loss mask loses the tokens MIS drops, its token weights become TIS's."""
+        old, rollout, mask = batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask
+        settings = self.config.rl.rollout_correction
+        correction = correct_rollout(old, rollout, mask, settings.mode, settings.threshold_low,
+                                     settings.threshold_high)
+        sums = torch.cat([mismatch_sums(old, rollout, mask), correction.num_dropped.double()[None]])
+        dist.all_reduce(sums, group=self.dp_group)
+        max_abs_diff = self._all_reduce(float(max_abs_logprob_diff(old, rollout, mask)), dist.ReduceOp.MAX)
+        metrics = mismatch_metrics(sums[:-1], max_abs_diff)
+        metrics["mismatch/correction_masked_frac"] = float(sums[-1]) / max(float(sums[-2]), 1.0)
+        response = mask.bool()
+        rollout_probs, train_probs = self._gather_over_dp(rollout[response].exp(), old[response].exp())
+        metrics["mismatch/train_rollout_prob_corr"] = pearson_correlation(rollout_probs, train_probs)
+        metrics.update(self._router_gap(batch))
+        batch.loss_mask, batch.token_weights = correction.loss_mask, correction.token_weights
+        return metrics
+
+    def _router_gap(self, batch: TrainBatch) -> dict[str, float]:
+        """mismatch/router_disagreement (overall and per layer) from the old-log-prob forward's counts,
+        added over every rank (each counts its own tokens in its own stage's layers), and the memory
+        the recorded experts take per sample (rollout/routes_bytes_per_sample, all layers)."""
+        counts = self.engine.module.take_route_counts()
+        dist.all_reduce(counts)
+        metrics = disagreement_metrics(counts)
+        real_tokens = self._all_reduce(float((~batch.padding_mask).sum()))
+        per_token = self.config.model.num_layers * batch.routes.shape[-1] * batch.routes.element_size()
+        metrics["rollout/routes_bytes_per_sample"] = real_tokens * per_token / (len(batch) * self.dp_size)
+        return metrics
+
+    def _routing(self, micro: TrainBatch, compare: bool) -> RoutingTargets | None:
+        """The routing of a micro-batch's forward (``routing_targets``) under rl.routing_replay."""
+        return routing_targets(micro, compare=compare, replay=self.config.rl.routing_replay)
+
+    # -- training-engine passes ---------------------------------------------------------------------
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        size = self.config.train.micro_batch_size
+        return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+
+    @torch.no_grad()
+    def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        if self.config.rl.old_logprobs == "rollout":
+            return batch.rollout_logprobs.clone()
+        temperature = self.config.rollout.temperature
+
+        def forward_step(micro: TrainBatch, model):
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
+                           routing=self._routing(micro, compare=True))
+            return hidden, lambda output: (
+                output.sum() * 0,
+                {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask, temperature)[0]})
+
+        self.engine.train(False)
+        outputs = self.engine.run_micro_batches(self._micro_batches(batch), forward_step, forward_only=True)
+        self.engine.train(True)
+        logprobs = torch.cat([out["logprobs"] for out in outputs]) if outputs else torch.empty_like(batch.rollout_logprobs)
+        # Every stage holds the rollouts and their bookkeeping; only the last computes log-probs.
+        return broadcast_from_last_stage(logprobs, self.pp_group)
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """K optimizer steps, each on 1/K of the rollout batch (M1's off-policy updates)."""
+        updates = self.config.rl.updates_per_rollout
+        size = len(batch) // updates
+        per_update = []
+        for k in range(updates):
+            per_update.append(self._update_once(batch.slice(k * size, (k + 1) * size)))
+        averaged = {key: sum(m[key] for m in per_update) / updates for key in per_update[0] if not key.endswith("_max")}
+        averaged.update({key: max(m[key] for m in per_update) for key in per_update[0] if key.endswith("_max")})
+        for hook in self.metric_hooks:
+            averaged = hook.step_metrics(averaged)
+        return averaged
+
+    def _update_once(self, mini_batch: TrainBatch) -> dict[str, float]:
+        loss_config = self.config.rl.loss
+        temperature = self.config.rollout.temperature
+        micro_batches = self._micro_batches(mini_batch)
+        counts = compute_global_counts([m.loss_mask for m in micro_batches], [m.old_logprobs for m in micro_batches],
+                                       group=self.dp_group)
+        scale = self.engine.loss_scale_for_schedule(len(micro_batches))
+        loss_params = loss_config.params if self.adaptive_clip is None else self.adaptive_clip.params()
+
+        def forward_step(micro: TrainBatch, model):
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
+                           routing=self._routing(micro, compare=False))
+
+            def loss_func(output):
+                logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,
+                                                                temperature, compute_entropy=True)
+                loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
+                                                    micro.loss_mask, counts, micro.token_weights, **loss_params)
+                metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
+                if self.metric_hooks:
+                    view = UpdateMicroBatch(
+                        targets=micro.tokens[:, 1:], loss_mask=micro.loss_mask, logprobs=logprobs.detach(),
+                        old_logprobs=micro.old_logprobs, advantages=micro.advantages, loss_name=loss_config.name,
+                        loss_params=loss_params, counts=counts,
+                        logprobs_of=lambda targets, mask: self.engine.token_logprobs(output, targets, mask,
+                                                                                   temperature)[0])
+                    for hook in self.metric_hooks:
+                        metrics.update(hook.micro_batch_metrics(view))
+                return loss * scale, metrics
+
+            return hidden, loss_func
+
+        outputs = self.engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
+        # Only the last pipeline stage computes the loss and its metrics (and only it logs).
+        metrics = {key: float(value) for key, value in reduce_metrics(outputs, group=self.dp_group).items()} if outputs else {}
+        result = self.engine.step()
+        if not result.applied:
+            self.num_skipped_updates += 1
+            if self.num_skipped_updates > self.config.train.max_nonfinite_skips:
+                raise RuntimeError(
+                    f"{self.num_skipped_updates} updates skipped for non-finite gradients (train.max_nonfinite_skips = "
+                    f"{self.config.train.max_nonfinite_skips}): lower optimizer.lr or check the data"
+                )
+        metrics.update({"perf/grad_norm": result.grad_norm, "perf/lr": result.lr,
+                        "perf/skipped_updates": float(self.num_skipped_updates)})
+        if self.adaptive_clip is not None:
+            metrics.update(self.adaptive_clip.metrics())
+            self._adapt_clip(metrics)
+        return metrics
+
+    def _adapt_clip(self, metrics: dict[str, float]) -> None:
+        """Move the clip bounds from this step's capped fractions, global over the data-parallel ranks
+        (reduce_metrics). Only the last pipeline stage computes them: it sends them to the other stages,
+        so every rank holds the same bounds (rank 0 saves them)."""
+        keys = (adaptive_clip.HIGH_METRIC, adaptive_clip.LOW_METRIC)
+        fractions = torch.tensor([metrics.get(key, 0.0) for key in keys], dtype=torch.float64, device=self.engine.device)
+        high, low = broadcast_from_last_stage(fractions, self.pp_group).tolist()
+        self.adaptive_clip.update(high, low)
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics of the eval section (megacispo.evaluation.evaluator): greedy accuracy, pass@k and
+        mean@k; empty without data.test_prompts."""
+        config = self.config
+        return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.reward_fn, self.dp_group,
+                         settings=config.eval, rollout=config.rollout, seed=config.train.seed,
+                         failure_reward=config.rl.failure_reward).run()
+
+    def _log_evaluation(self, extra: dict[str, float] | None = None) -> float:
+        """Evaluate and log the metrics, with ``extra``, at this step; the greedy accuracy (NaN without it)."""
+        metrics = {**self.evaluate(), **(extra or {})}
+        if metrics:
+            self.logger.log(self.step, metrics)
+        return metrics.get("eval/accuracy", float("nan"))
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """The checkpoint of the current step, unless it is the one just saved or resumed from."""
+        if self._saved_step == self.step:
+            return
+        save_checkpoint(
+            checkpoint_root(self.config), self.step, self.engine.module, self.engine.optimizer, self.engine.scheduler,
+            extra_state={"sampler": self.sampler.state_dict(), "consumed_samples": self.consumed_samples,
+                         "num_skipped_updates": self.num_skipped_updates, **self._adaptive_clip_state()},
+            config_dict=to_dict(self.config), keep_last=self.config.train.keep_last,
+        )
+        self._saved_step = self.step
+
+    def start(self, plan: RunStart) -> None:
+        """Load what ``check_start`` checked: the newest of the run's checkpoints that loads (passing over
+        those that do not verify, and those whose shards do not read back), or for a fresh start
+        train.load's weights. CheckpointError, on every rank alike, when none loads."""
+        for path, problem in reversed(plan.checkpoints.items()):
+            if problem is None:
+                try:
+                    self._resume_from(path)
+                    self._say(f"--resume: continuing from {path}")
+                    return
+                except CheckpointError as error:
+                    problem = str(error)
+            self._say(f"--resume: skipped {path.name}: {problem}")
+        if plan.checkpoints:
+            raise CheckpointError(f"--resume: no checkpoint under {checkpoint_root(self.config)} loads (above): move "
+                                  f"them away to start afresh.")
+        if plan.resuming:
+            self._say(f"--resume: no checkpoint under {checkpoint_root(self.config)}; starting afresh")
+        self.load_initial_weights()
+
+    def load_initial_weights(self) -> None:
+        """The weights a fresh run starts from: train.load (e.g. the SFT checkpoint, or a Hugging Face
+        directory), if set."""
+        if self.config.train.load:
+            load_start_weights("train.load", self.config.train.load, self.engine)
+
+    def _resume_from(self, path: Path) -> None:
+        meta = load_checkpoint(path, self.engine.module, self.engine.optimizer, self.engine.scheduler)
+        extra = meta["extra_state"]
+        self.step = self._saved_step = meta["step"]
+        self.sampler.load_state_dict(extra["sampler"])
+        self.consumed_samples = extra["consumed_samples"]
+        self.num_skipped_updates = extra["num_skipped_updates"]
+        # A checkpoint of a run with fixed bounds has none: the adapted bounds then start from the config's.
+        if self.adaptive_clip is not None and ADAPTIVE_CLIP_STATE in extra:
+            self.adaptive_clip.load_state_dict(extra[ADAPTIVE_CLIP_STATE])
+
+    def _adaptive_clip_state(self) -> dict[str, dict[str, float]]:
+        """The checkpoint's extra_state entry of the adapted bounds; empty when they are fixed."""
+        return {} if self.adaptive_clip is None else {ADAPTIVE_CLIP_STATE: self.adaptive_clip.state_dict()}
+
+    def _say(self, line: str) -> None:
+        # Rank 0: it names a damaged file (load_checkpoint) and prints the errors.
+        if dist.get_rank() == 0:
+            print(line, flush=True)
+
+    def _request_stop(self, signum, frame) -> None:
+        # Only a flag: the ranks act on it where they agree (_stop_agreed).
+        self._stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got SIGTERM. The signal reaches ranks at different moments: deciding on
+        the flag of this rank alone would leave the others waiting in the next collective. Every rank
+        calls this at the same points of the step, in the same order."""
+        flag = torch.tensor(int(self._stop_requested), device=self.engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stopped_by_signal = bool(flag)
+        return self.stopped_by_signal
+
+    def _abandon_if_stopped(self) -> None:
+        if self._stop_agreed():
+            raise StepAbandoned
+
+    @contextlib.contextmanager
+    def _abandonable(self):
+        """The part of a step before its updates: when SIGTERM abandons it, the sampler position and the
+        RNG states go back to where the step began, so the checkpoint saved next is the previous step's
+        as an uninterrupted run had it, and a resumed run takes this step as that run would."""
+        sampler_state, rng_state = self.sampler.state_dict(), capture_rng()
+        try:
+            yield
+        except StepAbandoned:
+            self.sampler.load_state_dict(sampler_state)
+            restore_rng(rng_state)
+            if self.logger.enabled:
+                print(f"SIGTERM: step {self.step + 1} abandoned before its updates; saving step {self.step}",
+                      flush=True)
+            raise
+
+    # -- collectives ----------------------------------------------------------------------------
+
+    def _gather_over_dp(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor concatenated over the data-parallel ranks (1-D, any length per rank), on the host."""
+        gathered: list = [None] * self.dp_size
+        # Pickled as host copies: a GPU tensor would be unpickled onto the sending rank's GPU.
+        dist.all_gather_object(gathered, [tensor.cpu() for tensor in tensors], group=self.dp_group)
+        return [torch.cat(parts) for parts in zip(*gathered)]
+
+    def _all_reduce(self, value: float, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
+        """``value`` reduced with ``op`` over the data-parallel ranks (in float64 on the run's device)."""
+        tensor = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(tensor, op=op, group=self.dp_group)
+        return float(tensor)

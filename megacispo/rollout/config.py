@@ -1,0 +1,61 @@
+"""The rollout sections: generation (``rollout:``) and which processes generate (``placement:``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megacispo.fields import AT_LEAST_1, FRACTION, Range, check_choice, check_ranges, ranged
+
+# rollout.dtype's choices: the precisions a rollout can generate in.
+ROLLOUT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Generation of G samples per prompt by the policy being trained."""
+
+    prompts_per_step: int = ranged(8, AT_LEAST_1)
+    """Prompt groups in one rollout batch (after dynamic sampling)."""
+    group_size: int = ranged(8, Range(2, note="group-relative advantages need at least 2 samples per prompt"))
+    """G: samples per prompt; advantages are relative within a group."""
+    max_new_tokens: int = ranged(16, AT_LEAST_1)
+    """Generation stops after this many tokens."""
+    temperature: float = ranged(1.0, Range(0, note="0: greedy"))
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = ranged(1.0, Range(0, 1, low_open=True))
+    """Nucleus sampling: keep the smallest token set with this much probability."""
+    top_k: int = ranged(0, Range(0, note="0: off"))
+    """Keep only the k most likely tokens (0: off)."""
+    early_truncation_tokens: int = ranged(0, Range(0, note="0: off"))
+    """Stop a sample after this many consecutive tokens each above early_truncation_prob (0: off; M1 used 3000)."""
+    early_truncation_prob: float = ranged(0.99, FRACTION)
+    """The probability threshold of early truncation."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal and sample more until the batch is full."""
+    max_sampling_rounds: int = ranged(4, AT_LEAST_1)
+    """Cap on rollout rounds spent filling one batch under dynamic sampling."""
+    compile_decode: bool = False
+    """Run each decode step through torch.compile (TP = PP = EP = 1, no Transformer Engine); the first steps compile."""
+    max_running: int = ranged(0, Range(0, note="0: all of a rank's samples at once"))
+    """Sequences decoded together per rank; a finished one's slot takes the next waiting sample (0: all at once)."""
+    max_cache_gib: float = ranged(0.0, Range(0, note="0: no cap"))
+    """Cap on the rollout cache of max_running slots per GPU, GiB, checked at start-up (0: no cap)."""
+    dtype: str = "float32"
+    """Precision of generation, float32 or bfloat16 (training keeps precision.params_dtype; the LM head follows model.fp32_lm_head)."""
+    max_staleness: int = ranged(0, Range(0, note="0: synchronous"))
+    """Steps a rollout's weights may lag the step it trains (needs placement.rollout_ranks; 0: on-policy, 1: one step behind)."""
+
+    def check(self) -> None:
+        check_ranges(self, "rollout")
+        check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Which processes generate and which train."""
+
+    rollout_ranks: int = ranged(0, Range(0, note="0: every process generates and trains"))
+    """K: the last K processes only generate (whole-model replicas: TP = PP = EP = 1), the others only train (0: all do both)."""
+
+    def check(self) -> None:
+        check_ranges(self, "placement")

@@ -1,0 +1,500 @@
+"""Rollouts: G samples per prompt from the policy being trained (no second copy of the weights).
+
+Generation uses the model's own cache (the d x d state of the lightning layers, KV for the softmax
+layers) and batches continuously over slots: ``rollout.max_running`` sequences (the rows of the
+cache) decode together, one token each per decode step, and a finished sequence's slot takes the
+next waiting sample at once: that prompt alone is prefilled and written into the slot's rows of the
+cache (``InferenceCache.write_rows``) while the others keep their state. A long response therefore
+holds one slot, not the whole batch, and the cache is bounded by the slots, not by the samples.
+
+The cache's positions are shared by its rows: every decode step appends one position to all of
+them, and a refilled row's prompt ends at the newest position, masked before it, like a left-padded
+prompt; RoPE positions count each row's own tokens. The softmax layers' KV is preallocated for the
+slots at the rollout's longest sequence plus a quarter (``slot_capacity``); when the positions
+reach it, the oldest ones no running sequence uses are dropped (``InferenceCache.drop_oldest``, an
+in-place move every quarter-length steps at most). Preallocated rather than paged: the decode step
+stays one dense masked attention over the slots (the same step as the eager, lean and compiled
+paths run), and only the softmax layers (1 in 8) keep KV at all; the lightning states are O(1) per
+slot.
+
+Sampling does not depend on the slots: each sample has a 64-bit key (``sample_keys``: from the
+seed, the step and the sample's place in the global batch), and its token t is drawn by inverse-CDF
+from one uniform that a counter-based hash (splitmix64) computes from (key, t) on the device, so the
+same samples come out at any ``max_running`` and in any order slots free up. Under tensor
+parallelism the model gathers the vocabulary shards of the last position's logits, so every rank of
+the TP group sees the full distribution and draws the same token.
+
+Generation runs in rollout.dtype (``HybridModel.generation_dtype``: a copy of the weights in that
+precision for the rollout, the LM head in fp32 with model.fp32_lm_head), and the log-probs it
+reports are those of that computation, as an inference engine's are. Every routing records the
+experts each MoE layer of this stage chose for each token (``Samples.routes``, compact integers),
+for the trainer's router-disagreement metric and routing replay (models/routing.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megacispo.data.padding import right_padding_mask
+from megacispo.models.config import SOFTMAX, HybridModelConfig
+from megacispo.models.routing import route_dtype
+from megacispo.rollout.config import RolloutConfig
+
+GIB = 2**30
+
+
+@dataclass
+class Samples:
+    """A batch of generated sequences, right-padded: prompt, response, then padding.
+
+    Position t of the [n, S - 1] tensors describes the prediction of token t + 1.
+    """
+
+    tokens: torch.Tensor
+    """[n, S] int64 token ids."""
+    prompt_lengths: torch.Tensor
+    """[n] tokens of each prompt (BOS included)."""
+    response_lengths: torch.Tensor
+    """[n] generated tokens of each sample (its EOS included)."""
+    rollout_logprobs: torch.Tensor
+    """[n, S - 1] log-prob of each response token under the sampling policy; 0 elsewhere."""
+    loss_mask: torch.Tensor
+    """[n, S - 1] 1.0 where token t + 1 is a response token."""
+    truncated_early: torch.Tensor
+    """[n] bool: stopped by early truncation (N consecutive tokens above probability p)."""
+    routes: torch.Tensor
+    """[n, S, L, k] the experts (``route_dtype``) the rollout routed token t to in each of this pipeline
+    stage's L MoE layers; recorded for each sample's prompt and response tokens but its last (never fed
+    back), 0 elsewhere."""
+
+    def select(self, rows: torch.Tensor | slice) -> Samples:
+        return Samples(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
+
+    def padding_mask(self, width: int) -> torch.Tensor:
+        """[n, width] bool: True after each sequence's prompt and response (tokens right-padded to width)."""
+        return right_padding_mask(self.prompt_lengths + self.response_lengths, width)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-sample random streams
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's increment, as a signed int64
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: it copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (a bijection of 64-bit patterns; products wrap)."""
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    return x ^ _shift_right(x, 31)
+
+
+def _as_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def sample_keys(
+    stream: Sequence[int], prompt_indices: Iterable[int], group_size: int, *, device: torch.device | str
+) -> torch.Tensor:
+    """[len(prompt_indices) * group_size] int64 keys, prompt-major (the order of the trainer's prompt
+    list): sample j of prompt i gets a hash of (*stream, i, j). ``stream`` names the rollout (the
+    trainer's: seed, step, sampler position), ``prompt_indices`` the prompts' places in the global
+    batch, so that the samples depend neither on the data-parallel layout nor on the slots."""
+    prompts = torch.tensor([_as_int64(i) for i in prompt_indices], dtype=torch.long, device=device)
+    samples = torch.arange(group_size, dtype=torch.long, device=device)
+    key = torch.full((), _GOLDEN, dtype=torch.long, device=device)
+    for value in stream:
+        key = _mix64(key ^ _as_int64(value))
+    key = _mix64(key ^ prompts[:, None])
+    return _mix64((key + _GOLDEN) ^ samples[None, :]).reshape(-1)
+
+
+def _uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[b] float64 in [0, 1): the draw of each row's token ``positions`` [b] from its stream ``keys``
+    [b] (splitmix64's output number positions + 1 of that seed: the top 53 bits)."""
+    bits = _mix64(keys + (positions + 1) * _GOLDEN)
+    return _shift_right(bits, 11).to(torch.float64) * 2.0**-53
+
+
+def sample_tokens(
+    logits: torch.Tensor, config: RolloutConfig, keys: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits`` [b, V]: row r's token number ``positions[r]`` of the
+    stream ``keys[r]`` (both [b] int64; unused when greedy).
+
+    Returns (tokens [b], logprobs [b], probs [b]): the log-prob of the drawn token under the
+    tempered distribution (the one the trainer's ratio compares against) and its probability under
+    the truncated sampling distribution (what early truncation watches).
+    """
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    if config.temperature == 0:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, chosen, chosen.exp()
+    logprobs = torch.log_softmax(logits / config.temperature, dim=-1)
+    sampling_logits = logprobs.clone()
+    if config.top_k > 0:
+        kth = sampling_logits.topk(min(config.top_k, sampling_logits.shape[-1]), dim=-1).values[:, -1:]
+        sampling_logits = sampling_logits.masked_fill(sampling_logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_logits, order = sampling_logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass.
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
+        sampling_logits = sampling_logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    sampling_probs = sampling_logits.softmax(dim=-1)
+    # Inverse CDF: the first token whose cumulative probability exceeds the uniform (a token of zero
+    # probability adds nothing to the sum, so it is never the first to exceed it).
+    cdf = sampling_probs.to(torch.float64).cumsum(dim=-1)
+    target = _uniforms(keys, positions) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen, sampling_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory of the slots
+
+
+def slot_capacity(max_length: int) -> int:
+    """Positions the cache holds for sequences of up to ``max_length`` tokens (prompt and response): a
+    quarter more (at least 16), so that dropping the unused oldest positions happens at most every
+    quarter-length steps."""
+    return max_length + max(16, max_length // 4)
+
+
+def rollout_cache_bytes(
+    model: HybridModelConfig, layers: Iterable[int], *, slots: int, max_length: int, tensor_parallel: int,
+    kv_bytes: int, state_bytes: int = 4,
+) -> int:
+    """Bytes of the rollout cache of ``slots`` slots on one GPU holding ``layers`` (global indices)
+    under ``tensor_parallel``: the softmax layers' keys and values (``kv_bytes`` per number, the
+    model's dtype) for slot_capacity(max_length) positions, the lightning layers' [heads, d, d]
+    states (fp32: ``state_bytes``), and the [slots, V] fp32 logits with the sampler's fp32 / fp64
+    copies of them (tempered log-probs, filtered logits, probabilities, cumulative sum: 24 bytes a
+    number)."""
+    heads = max(1, model.num_attention_heads // tensor_parallel)
+    kv_heads = max(1, model.num_query_groups // tensor_parallel)
+    per_slot = 0
+    for layer in layers:
+        if model.layer_kind(layer) == SOFTMAX:
+            per_slot += 2 * kv_heads * model.head_dim * slot_capacity(max_length) * kv_bytes
+        else:
+            per_slot += heads * model.head_dim * model.head_dim * state_bytes
+    return slots * (per_slot + 24 * model.vocab_size)
+
+
+def _check_device_fits(model, slots: int, max_length: int, device: torch.device) -> None:
+    """On a GPU, the slots' cache must fit in the free memory: an error naming the slots and the memory
+    before any of it is allocated, instead of an out-of-memory error midway through a rollout."""
+    if device.type != "cuda":
+        return
+    needed = rollout_cache_bytes(
+        model.hybrid_config, [layer.layer_number - 1 for layer in model.decoder.layers], slots=slots,
+        max_length=max_length, tensor_parallel=model.pg_collection.tp.size(),
+        kv_bytes=next(model.parameters()).element_size(),
+    )
+    free = torch.cuda.mem_get_info(device)[0]
+    if needed > free:
+        raise ValueError(
+            f"rollout.max_running: {slots} slots of {max_length} tokens need {needed / GIB:.2f} GiB of rollout "
+            f"cache, but {free / GIB:.2f} GiB of GPU memory are free: lower rollout.max_running "
+            f"(about {max(1, slots * free // needed)} fit)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]],
+    config: RolloutConfig,
+    *,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    keys: torch.Tensor,
+    response_limits: Sequence[int] | None = None,
+    lockstep_group: dist.ProcessGroup | None = None,
+    progress: tqdm | None = None,
+    interrupt: Callable[[], None] | None = None,
+) -> Samples:
+    """Sample one response per prompt (repeat a prompt G times for a group), in prompt order.
+
+    ``stop_ids``: a sample ends with the first of these it draws (EOS, and a chat template's end of turn).
+    ``keys``: [len(prompts)] int64 random stream of each sample (``sample_keys``), on the device of
+    the model's logits; the samples are made there too.
+    ``response_limits``: a per-sample cap on the generated tokens (at most rollout.max_new_tokens);
+    None: rollout.max_new_tokens for all.
+    ``lockstep_group``: ranks whose forward passes communicate with each other beyond tensor
+    parallelism (expert parallelism's all-to-all spans data-parallel ranks): they all run the same
+    forward passes (decode steps, and refill prefills, a one-token dummy where a rank has none)
+    until every one of them has finished.
+    ``interrupt``: called before every decode step (so at the same steps on every rank); what it
+    raises abandons the rollout (the trainer's SIGTERM check).
+    ``progress``: a bar the finished samples are counted on, its total grown by ``len(prompts)``
+    (the caller owns it: one per RL step on the logging rank); None draws nothing.
+    """
+    if keys.shape != (len(prompts),):
+        raise ValueError(f"keys has shape {tuple(keys.shape)}: pass one key per prompt, [{len(prompts)}]")
+    limits = [config.max_new_tokens] * len(prompts) if response_limits is None else list(response_limits)
+    if len(limits) != len(prompts) or not all(1 <= limit <= config.max_new_tokens for limit in limits):
+        raise ValueError(
+            f"response_limits: pass one limit in [1, rollout.max_new_tokens = {config.max_new_tokens}] per prompt"
+        )
+    was_training = model.training
+    # Decoding is inference: Megatron's MoE layer refuses TP without sequence parallelism in
+    # training mode, and the model switches sequence parallelism off for single-token steps.
+    model.eval()
+    try:
+        with model.generation_dtype(getattr(torch, config.dtype)), model.recording_routes():
+            engine = _SlotRollout(model, prompts, config, stop_ids, pad_id, keys, limits, lockstep_group)
+            return engine.run(progress, interrupt)
+    finally:
+        model.train(was_training)
+
+
+def _count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
+    """The caller's bar with this rollout's samples added to its total (a step's rollouts, however many
+    rounds dynamic sampling takes, fill one bar), or a bar that draws nothing."""
+    if progress is None:
+        return tqdm(disable=True)
+    progress.total = (progress.total or 0) + num_samples
+    progress.refresh()
+    return progress
+
+
+class _SlotRollout:
+    """One rollout over ``slots`` rows of the model's cache.
+
+    The host keeps which sample each row decodes (-1: none) and how many tokens it has drawn, and
+    the first cache position of its sequence (to know which old positions are unused); the device
+    keeps the same per row for the sampler and the outputs of every sample.
+    """
+
+    def __init__(self, model, prompts, config: RolloutConfig, stop_ids, pad_id: int, keys: torch.Tensor,
+                 limits: list[int], lockstep_group) -> None:
+        self.model, self.prompts, self.config, self.pad_id = model, prompts, config, pad_id
+        self.keys, self.limits, self.group = keys, limits, lockstep_group
+        self.device = keys.device
+        self.num_samples = len(prompts)
+        self.slots = min(config.max_running or self.num_samples, self.num_samples)
+        self.prompt_width = max(len(p) for p in prompts)
+        self.capacity = slot_capacity(self.prompt_width + max(limits))
+        _check_device_fits(model, self.slots, self.prompt_width + max(limits), self.device)
+        self.stop_ids = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
+        # Row num_samples is scratch: idle rows write their draws there.
+        self.responses = torch.full((self.num_samples + 1, config.max_new_tokens), pad_id, dtype=torch.long,
+                                    device=self.device)
+        self.response_logprobs = torch.zeros(0, device=self.device)  # the logits' precision, once known
+        hybrid = model.hybrid_config
+        # Row num_samples is scratch here too; a sample's tokens sit at positions 0 .. prompt + response.
+        self.routes = torch.zeros(
+            (self.num_samples + 1, self.prompt_width + config.max_new_tokens, len(model.decoder.layers),
+             hybrid.moe_router_topk), dtype=route_dtype(hybrid.num_experts), device=self.device)
+        self.response_lengths = [0] * self.num_samples
+        self.truncated = [False] * self.num_samples
+        self.waiting = deque(range(self.num_samples))
+        self.row_sample: list[int] = []
+        self.row_drawn: list[int] = []
+        self.row_start: list[int] = []
+
+    def run(self, progress: tqdm | None, interrupt: Callable[[], None] | None) -> Samples:
+        first = [self.waiting.popleft() for _ in range(self.slots)]
+        logits, cache = self._prefill(first, self.prompt_width)
+        # fp32 log-probs, fp64 for an fp64 model (the sampler's precision).
+        self.response_logprobs = torch.zeros((self.num_samples + 1, self.config.max_new_tokens),
+                                             dtype=torch.promote_types(logits.dtype, torch.float32), device=self.device)
+        cache.reserve(self.capacity - cache.length)
+        self.row_sample, self.row_drawn = first, [0] * len(first)
+        self.row_start = [cache.length - len(self.prompts[s]) for s in first]
+        self._sync_rows()
+        self.confident_run = torch.zeros(len(first), dtype=torch.long, device=self.device)
+        progress = _count_samples_on(progress, self.num_samples)
+        while True:
+            if interrupt is not None:
+                interrupt()
+            tokens = self._draw(logits, progress)
+            refills = self._assign_waiting()
+            any_refill, any_running = self._agree(bool(refills), any(s >= 0 for s in self.row_sample))
+            if not any_running:
+                break
+            if not self.waiting and not refills:
+                cache, tokens = self._shrink(cache, tokens)
+            if self.rows_changed:
+                self._sync_rows()
+            if cache.length + 2 > self.capacity:
+                self._drop_unused(cache)
+            step_tokens = torch.where(self.row_sample_t < self.num_samples, tokens, self.pad_id)
+            logits, cache = self.model.decode_step(step_tokens, cache, compiled=self.config.compile_decode)
+            self._record_step_routes()
+            if any_refill:
+                self._refill(refills, logits, cache)
+        return self._samples()
+
+    def _prefill(self, samples: list[int], width: int):
+        """Left-padded prefill of the prompts of ``samples`` to ``width`` positions: (logits [k, V], cache)."""
+        prompts = [self.prompts[s] for s in samples]
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long,
+                                 device=self.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        attention_mask = torch.arange(width, device=self.device) >= width - lengths[:, None]
+        logits, cache = self.model.prefill(input_ids, attention_mask)
+        routes = self.model.last_routes(len(samples), width).to(self.routes.dtype)
+        for row, (sample, prompt) in enumerate(zip(samples, prompts)):
+            self.routes[sample, :len(prompt)] = routes[row, width - len(prompt):]
+        return logits, cache
+
+    def _record_step_routes(self) -> None:
+        """The experts of the token each row just fed (the one it drew last, at position prompt + drawn
+        - 1 of its sample); rows without a sample, or refilled and not yet drawing, write the scratch row."""
+        fed = (self.row_sample_t < self.num_samples) & (self.row_drawn_t > 0)
+        rows = torch.where(fed, self.row_sample_t, self.num_samples)
+        positions = (self.row_prompt_t + self.row_drawn_t - 1).clamp(0, self.routes.shape[1] - 1)
+        self.routes[rows, positions] = self.model.last_routes(len(self.row_sample), 1)[:, 0].to(self.routes.dtype)
+
+    def _sync_rows(self) -> None:
+        """The per-row device tensors from the host's bookkeeping (after rows finished or were refilled)."""
+        sample = [s if s >= 0 else self.num_samples for s in self.row_sample]
+        self.row_sample_t = torch.tensor(sample, dtype=torch.long, device=self.device)
+        self.row_drawn_t = torch.tensor(self.row_drawn, dtype=torch.long, device=self.device)
+        self.row_limit_t = torch.tensor([self.limits[s] if s >= 0 else 1 for s in self.row_sample],
+                                        dtype=torch.long, device=self.device)
+        self.row_prompt_t = torch.tensor([len(self.prompts[s]) if s >= 0 else 0 for s in self.row_sample],
+                                         dtype=torch.long, device=self.device)
+        padded_keys = torch.cat([self.keys, self.keys.new_zeros(1)])
+        self.row_keys_t = padded_keys[self.row_sample_t]
+        self.rows_changed = False
+
+    def _draw(self, logits: torch.Tensor, progress: tqdm) -> torch.Tensor:
+        """Each row's next token from ``logits`` [rows, V], recorded for its sample; frees the rows whose
+        sample ended (a stop id, its length limit, early truncation). Returns the tokens [rows]."""
+        config = self.config
+        tokens, logprobs, probs = sample_tokens(logits, config, self.row_keys_t, self.row_drawn_t)
+        column = self.row_drawn_t.clamp(max=config.max_new_tokens - 1)
+        self.responses[self.row_sample_t, column] = tokens
+        self.response_logprobs[self.row_sample_t, column] = logprobs.to(self.response_logprobs.dtype)
+        stop = torch.isin(tokens, self.stop_ids) | (self.row_drawn_t + 1 >= self.row_limit_t)
+        truncate = torch.zeros_like(stop)
+        if config.early_truncation_tokens > 0:
+            confident = probs > config.early_truncation_prob
+            self.confident_run = torch.where(confident, self.confident_run + 1, torch.zeros_like(self.confident_run))
+            truncate = ~stop & (self.confident_run >= config.early_truncation_tokens)
+        self.row_drawn_t = self.row_drawn_t + 1
+        stops, truncates = torch.stack([stop | truncate, truncate]).tolist()  # one copy to the host per step
+        for row, sample in enumerate(self.row_sample):
+            if sample < 0:
+                continue
+            self.row_drawn[row] += 1
+            if stops[row]:
+                self.response_lengths[sample] = self.row_drawn[row]
+                self.truncated[sample] = truncates[row]
+                self.row_sample[row] = -1
+                self.rows_changed = True
+                progress.update(1)
+        return tokens
+
+    def _assign_waiting(self) -> list[tuple[int, int]]:
+        """Give free rows the next waiting samples: [(row, sample)], refilled after the next decode step."""
+        refills = []
+        for row, sample in enumerate(self.row_sample):
+            if sample < 0 and self.waiting:
+                refills.append((row, self.waiting.popleft()))
+        for row, sample in refills:
+            self.row_sample[row], self.row_drawn[row] = sample, 0
+            self.rows_changed = True
+        return refills
+
+    def _agree(self, refill: bool, running: bool) -> tuple[bool, bool]:
+        """(whether any rank of the lockstep group refills now, whether any still decodes): one all-reduce."""
+        if self.group is None:
+            return refill, running
+        flags = torch.tensor([int(refill), int(running)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        any_refill, any_running = flags.tolist()
+        return bool(any_refill), bool(any_running)
+
+    def _refill(self, refills: list[tuple[int, int]], logits: torch.Tensor, cache) -> None:
+        """Prefill the refilled rows' prompts alone and write them into their rows of ``cache`` and of
+        ``logits`` (in place); a rank of a lockstep group with nothing to refill runs a one-token dummy
+        prefill, so that every rank runs the same forward passes."""
+        if not refills:
+            self.model.prefill(torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device))
+            return
+        rows = [row for row, _ in refills]
+        new_logits, new_cache = self._prefill([s for _, s in refills], max(len(self.prompts[s]) for _, s in refills))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cache.write_rows(index, new_cache)
+        logits[index] = new_logits.to(logits.dtype)
+        self.confident_run[index] = 0
+        for row, sample in refills:
+            self.row_start[row] = cache.length - len(self.prompts[sample])
+
+    def _shrink(self, cache, tokens: torch.Tensor):
+        """Once nothing waits, drop idle rows when at most half the rows still decode (at least one row
+        stays: a rank of a lockstep group keeps stepping): the tail of long responses runs at its own
+        batch size. Returns (cache, tokens) of the rows kept."""
+        live = [row for row, sample in enumerate(self.row_sample) if sample >= 0]
+        if len(live) > len(self.row_sample) // 2 or len(self.row_sample) == 1:
+            return cache, tokens
+        live = live or [0]
+        index = torch.tensor(live, dtype=torch.long, device=self.device)
+        self.row_sample = [self.row_sample[row] for row in live]
+        self.row_drawn = [self.row_drawn[row] for row in live]
+        self.row_start = [self.row_start[row] for row in live]
+        self.confident_run = self.confident_run[index]
+        self.rows_changed = True
+        return cache.select(index), tokens[index]
+
+    def _drop_unused(self, cache) -> None:
+        """Drop the oldest positions that no running sequence (nor a prompt yet to come) needs."""
+        live_starts = [start for start, sample in zip(self.row_start, self.row_sample) if sample >= 0]
+        oldest = min(live_starts, default=cache.length)
+        drop = min(oldest, cache.length - self.prompt_width)
+        cache.drop_oldest(drop)
+        self.row_start = [max(0, start - drop) for start in self.row_start]
+
+    def _samples(self) -> Samples:
+        lengths = torch.tensor(self.response_lengths, dtype=torch.long, device=self.device)
+        truncated = torch.tensor(self.truncated, dtype=torch.bool, device=self.device)
+        return _assemble(self.prompts, self.responses[: self.num_samples], self.response_logprobs[: self.num_samples],
+                         self.response_lengths, lengths, truncated, self.pad_id, self.routes[: self.num_samples])
+
+
+def _assemble(prompts, responses, response_logprobs, lengths: list[int], response_lengths, truncated,
+              pad_id, routes: torch.Tensor) -> Samples:
+    device = responses.device
+    width = max(len(prompt) + r for prompt, r in zip(prompts, lengths))
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    rollout_logprobs = torch.zeros((len(prompts), width - 1), dtype=response_logprobs.dtype, device=device)
+    loss_mask = torch.zeros((len(prompts), width - 1), device=device)
+    for row, (prompt, r) in enumerate(zip(prompts, lengths)):
+        p = len(prompt)
+        tokens[row, :p] = torch.tensor(prompt, device=device)
+        tokens[row, p:p + r] = responses[row, :r]
+        # Response token p + i is predicted at position p + i - 1.
+        rollout_logprobs[row, p - 1:p - 1 + r] = response_logprobs[row, :r]
+        loss_mask[row, p - 1:p - 1 + r] = 1.0
+    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+    return Samples(tokens, prompt_lengths, response_lengths, rollout_logprobs, loss_mask, truncated,
+                   routes[:, :width].contiguous())
+
+
+def response_token_ids(samples: Samples, row: int) -> list[int]:
+    start = int(samples.prompt_lengths[row])
+    return samples.tokens[row, start:start + int(samples.response_lengths[row])].tolist()

@@ -1,0 +1,422 @@
+"""What the entry points share, in the order a run starts: the command line; the config checked as a
+whole (the checks that span sections or need a subsystem: the loss registry, the reward module, the
+rollout cache), then against the world size; loading the tokenizer and the prompts; the dry-run plan;
+and the one way bad input ends a process. Everything here runs before any model is built."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from megacispo.config import Config, load_config
+from megacispo.data.prompts import PromptLimit, PromptRecord, RecordFields, load_prompts
+from megacispo.data.rewards import get_reward_fn
+from megacispo.data.tokenizer import Tokenizer
+from megacispo.fields import check_choice
+from megacispo.metrics.logger import check_logging
+from megacispo.models.config import check_precision_and_recompute, model_shape, parameter_counts
+from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
+from megacispo.parallel.layout import validate_layout, world_size_from_env
+from megacispo.rl import adaptive_clip
+from megacispo.rl.losses import policy_loss_names, validate_policy_loss_params
+from megacispo.rollout.generate import GIB, rollout_cache_bytes
+
+
+def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
+    """The shared command line; ``--load`` sets ``load_field`` (train.load for RL, sft.load for SFT)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML run config (examples/configs/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override, e.g. --set rl.loss.params.eps_high=4.0 (repeatable)")
+    parser.add_argument("--load", help=f"start from this checkpoint (sets {load_field})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config and the parallel layout, print the plan, build nothing")
+    parser.set_defaults(load_field=load_field)
+    return parser
+
+
+BAD_INPUT_EXIT_CODE = 2  # argparse's status for a bad command line: one status for every bad input
+# How long the ranks that do not print a bad-input error wait before exiting (rank 0 exits at once).
+QUIET_RANK_EXIT_DELAY_S = 10.0
+
+
+class BadInput(SystemExit):
+    """Exits with BAD_INPUT_EXIT_CODE; its text is the ``error:`` line, for callers that run an entry
+    point in-process."""
+
+    def __init__(self, message: str):
+        super().__init__(BAD_INPUT_EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of torchrun's world (or a plain process); known before any process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+@contextlib.contextmanager
+def bad_input_exits(kind: type[ValueError] = ValueError):
+    """Bad input (a ``kind`` of ValueError naming the field, the value and the fix) ends the process
+    with exit code 2 and one ``error:`` line, without a traceback. Every rank checks the same input and
+    finds the same error: rank 0 prints it, the others exit quietly with the same code. Once the run
+    has started, pass the narrower ``kind`` that every rank raises alike (a ValueError of one rank
+    alone must keep its traceback)."""
+    try:
+        yield
+    except kind as error:
+        message = f"error: {error}"
+        if is_rank_zero():
+            print(message, file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every worker once the first one exits: a rank that found the error before
+            # rank 0 (a loaded machine) would otherwise take rank 0 down before it prints it.
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
+        raise BadInput(message) from None
+
+
+def start_up(args: argparse.Namespace, check_batches: Callable[[Config, int], None]) -> tuple[Config, int]:
+    """Parse and validate everything that can be checked before a process group exists;
+    ``check_batches`` splits the entry point's batches over the data-parallel ranks.
+
+    A run that asks for Transformer Engine (FP8) fails here when this machine lacks it, or lacks the
+    version its FP8 recipe needs; a dry run only plans, so it names the missing piece in the plan
+    instead (a login node without GPUs can check a GPU run's config)."""
+    config = load_run_config(args)
+    # The training processes: the layout and the batches split over them, not over the rollout processes.
+    world_size = training_world_size(config, world_size_from_env())
+    validate_layout(config.parallel, world_size, model_shape(config.model))
+    check_batches(config, config.parallel.data_parallel_size(world_size))
+    if config.precision.transformer_engine and not args.dry_run:
+        require_transformer_engine(config.precision.fp8)
+    return config, world_size
+
+
+def load_run_config(args: argparse.Namespace) -> Config:
+    """The config of --config, --set and --load, validated on its own (not yet against a world size)."""
+    # Megatron-Core warns at import that Transformer Engine and apex are absent; on the CPU path that
+    # is expected, and the warnings would bury the run's own output.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    overrides = list(args.set) + ([f"{args.load_field}={args.load}"] if args.load else [])
+    return run_config(args.config, overrides, load_field=args.load_field)
+
+
+def precision_plan(config: Config) -> str:
+    """One line on the weight dtype, FP8 and recompute, with what is missing here for Transformer Engine."""
+    precision, recompute = config.precision, config.recompute
+    if precision.fp8:
+        gemms = f"FP8 GEMMs ({precision.fp8} scaling) through Transformer Engine"
+    elif precision.transformer_engine:
+        gemms = "Transformer Engine layers"
+    else:
+        gemms = "local Megatron layers"
+    if precision.transformer_engine and not transformer_engine_installed():
+        gemms += f" [Transformer Engine is not installed here: {INSTALL_HINT}]"
+    if recompute.granularity == "full" and recompute.method == "block":
+        recomputed = f"full (block: the first {recompute.num_layers} layers of each stage)"
+    elif recompute.granularity == "full":
+        recomputed = "full (uniform: every layer)"
+    elif recompute.granularity == "selective":
+        recomputed = f"selective ({', '.join(recompute.modules)})"
+    else:
+        recomputed = "none"
+    return (f"precision: {precision.params_dtype} weights, {gemms}, LM head "
+            f"{'fp32' if config.model.fp32_lm_head else precision.params_dtype}; recompute {recomputed}")
+
+
+def plan(config: Config, world_size: int) -> str:
+    """A readable summary of what a run would build."""
+    total, activated = parameter_counts(config.model)
+    parallel = config.parallel
+    return "\n".join([
+        f"model: {config.model.num_layers} layers, pattern {config.model.layer_pattern}, hidden {config.model.hidden_size}, "
+        f"{config.model.num_experts} experts top-{config.model.moe_router_topk}: "
+        f"{total / 1e9:.3f}B total, {activated / 1e9:.3f}B activated parameters",
+        f"layout: world {world_size} = TP {parallel.tensor_model_parallel_size} x PP {parallel.pipeline_model_parallel_size} "
+        f"x DP {parallel.data_parallel_size(world_size)}; EP {parallel.expert_model_parallel_size}, "
+        f"sequence parallel {parallel.sequence_parallel}",
+        precision_plan(config),
+        f"lengths: prompts up to {max_prompt_tokens(config)} tokens (longer: {config.data.overlong_prompts}) + "
+        f"{config.rollout.max_new_tokens} new tokens, in a context of {config.model.max_position_embeddings}",
+        f"loss: {config.rl.loss.name} {config.rl.loss.params}; {config.rl.updates_per_rollout} updates per rollout batch "
+        f"of {config.rollout.prompts_per_step} prompts x {config.rollout.group_size} samples",
+        f"run directory: {config.train.run_dir}",
+    ])
+
+
+def load_tokenizer(config: Config) -> Tokenizer:
+    """The run's tokenizer, checked against the model's vocabulary and data.chat_template."""
+    path = _data_path(config, "tokenizer")
+    try:
+        tokenizer = Tokenizer.load(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"data.tokenizer: {error}") from None
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"data.tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} pieces but model.vocab_size = "
+            f"{config.model.vocab_size}: retrain the tokenizer smaller or set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    if config.data.chat_template and not tokenizer.has_chat_template:
+        raise ValueError(
+            f"data.chat_template = true but data.tokenizer {config.data.tokenizer} has no chat template: set "
+            "data.tokenizer to a Hugging Face tokenizer directory whose tokenizer_config.json (or "
+            "chat_template.jinja) defines one, or set data.chat_template: false"
+        )
+    return tokenizer
+
+
+def load_rl_prompts(config: Config, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord], dict[str, float]]:
+    """data.train_prompts and data.test_prompts (optional), each prompt tokenized once and held to the
+    RL prompt limit; with the counts of prompts data.overlong_prompts skipped or truncated, as metrics."""
+    names = ["train_prompts", "test_prompts"] if config.data.test_prompts else ["train_prompts"]
+    loaded, metrics = {"test_prompts": []}, {}
+    for name in names:
+        loaded[name], counts = load_rl_prompt_file(config, tokenizer, name)
+        metrics.update(counts)
+    return loaded["train_prompts"], loaded["test_prompts"], metrics
+
+
+def load_rl_prompt_file(config: Config, tokenizer, name: str) -> tuple[list[PromptRecord], dict[str, float]]:
+    """The records of data.<name> (train_prompts or test_prompts) held to the RL prompt limit, with
+    data/<name>_skipped and data/<name>_truncated: what data.overlong_prompts did to them."""
+    data, context = config.data, config.model.max_position_embeddings
+    bound = f"data.max_prompt_tokens = {max_prompt_tokens(config)}"
+    if not data.max_prompt_tokens:
+        bound += f" (model.max_position_embeddings {context} - rollout.max_new_tokens {config.rollout.max_new_tokens})"
+    limit = PromptLimit(tokenizer, max_prompt_tokens(config), bound, data.overlong_prompts)
+    records = _load_data_file(config, name, limit)
+    return records, {f"data/{name}_skipped": limit.num_skipped, f"data/{name}_truncated": limit.num_truncated}
+
+
+def load_sft_data(config: Config, tokenizer) -> list[PromptRecord]:
+    """data.sft_pairs, each pair tokenized once: prompt, answer and EOS must fit in the model's context."""
+    context = config.model.max_position_embeddings
+    limit = PromptLimit(tokenizer, context, f"model.max_position_embeddings = {context}", config.data.overlong_prompts,
+                        with_answer=True)
+    return _load_data_file(config, "sft_pairs", limit)
+
+
+def _data_path(config: Config, name: str) -> str:
+    path = getattr(config.data, name)
+    if not path:
+        raise ValueError(f"data.{name} is not set: give its path in the config or with --set data.{name}=PATH")
+    return path
+
+
+def _load_data_file(config: Config, name: str, limit: PromptLimit) -> list[PromptRecord]:
+    """The records of data.<name>, their fields at data.prompt_key and data.answer_key, rendered through the
+    chat template with data.chat_template; says on rank 0 how many data.overlong_prompts changed."""
+    path = _data_path(config, name)
+    data = config.data
+    try:
+        fields = RecordFields(data.prompt_key, data.answer_key, data.chat_template)
+        records = load_prompts(path, limit, fields)
+    except ValueError as error:
+        raise ValueError(f"data.{name}: {error}") from None
+    changed = limit.num_skipped or limit.num_truncated
+    if changed and is_rank_zero():
+        done = "skipped" if limit.num_skipped else "cut at the left to fit"
+        print(f"data.{name}: {changed} of {len(records) + limit.num_skipped} records longer than {limit.bound} "
+              f"{done} (data.overlong_prompts = {limit.overlong})")
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# The config as a whole
+# ---------------------------------------------------------------------------------------------
+
+
+def run_config(path: str | None, overrides: list[str] = (), load_field: str | None = None) -> Config:
+    """The config an entry point runs: loaded (``load_config``) and checked as a whole (``check_config``)."""
+    return check_config(load_config(path, overrides, load_field=load_field))
+
+
+def check_config(config: Config) -> Config:
+    """Every rule that spans sections or needs a subsystem, and that needs neither the world size nor a
+    model: the loss and its parameters (the registry), the reward (its module imported now), the clip
+    bounds adaptive clipping moves, rollouts on their own processes, lengths, the compiled decode
+    step, the rollout cache, precision and recompute, logging. Returns ``config`` with the loss's
+    parameters completed by its defaults; each error names the field, the value and the fix."""
+    rl = config.rl
+    check_choice("rl.loss.name", rl.loss.name, policy_loss_names())
+    try:
+        params = validate_policy_loss_params(rl.loss.name, rl.loss.params)
+    except ValueError as error:
+        raise ValueError(f"rl.loss: {error}") from None
+    try:
+        get_reward_fn(rl.reward)
+    except ValueError as error:
+        raise ValueError(f"rl.reward: {error}") from None
+    adaptive_clip.check_bounds(rl.adaptive_clip, rl.loss, params)
+    _check_placement(config)
+    _check_lengths(config)
+    _check_compile_decode(config)
+    _check_rollout_memory(config)
+    check_precision_and_recompute(config.model, config.parallel, config.precision, config.recompute)
+    check_logging(config.logging)
+    loss = dataclasses.replace(rl.loss, params=params)
+    return dataclasses.replace(config, rl=dataclasses.replace(rl, loss=loss))
+
+
+def _check_placement(config: Config) -> None:
+    """What rollouts on their own processes need (the world size is checked by ``training_world_size``)."""
+    ranks, staleness = config.placement.rollout_ranks, config.rollout.max_staleness
+    if staleness and not ranks:
+        raise ValueError(
+            f"rollout.max_staleness = {staleness} needs placement.rollout_ranks > 0: processes that generate and "
+            "train in turn always sample from the weights they train; set placement.rollout_ranks (e.g. 1) or "
+            "rollout.max_staleness = 0"
+        )
+    if ranks and config.rollout.prompts_per_step % ranks:
+        raise ValueError(
+            f"rollout.prompts_per_step = {config.rollout.prompts_per_step} is not divisible by "
+            f"placement.rollout_ranks = {ranks}: each rollout process generates an equal share; use a multiple of "
+            f"{ranks}"
+        )
+    if ranks and config.rl.routing_replay and config.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"rl.routing_replay = true with placement.rollout_ranks = {ranks} needs "
+            f"parallel.pipeline_model_parallel_size = 1 (it is {config.parallel.pipeline_model_parallel_size}): the "
+            "rollout processes record every layer's routes, a pipeline stage replays only its own; set "
+            "rl.routing_replay = false or placement.rollout_ranks = 0"
+        )
+
+
+def training_world_size(config: Config, world_size: int) -> int:
+    """The processes that train: the world less placement.rollout_ranks, which must leave at least one."""
+    ranks = config.placement.rollout_ranks
+    if ranks >= world_size:
+        raise ValueError(
+            f"placement.rollout_ranks = {ranks} leaves no training process in a world of {world_size}: launch more "
+            f"than {ranks} processes (torchrun --nproc-per-node) or lower placement.rollout_ranks"
+        )
+    return world_size - ranks
+
+
+def _check_lengths(config: Config) -> None:
+    """A prompt and its response must fit in the model's context: nothing else bounds a rollout's memory."""
+    context, new_tokens = config.model.max_position_embeddings, config.rollout.max_new_tokens
+    if new_tokens >= context:
+        raise ValueError(
+            f"rollout.max_new_tokens = {new_tokens} leaves no room for a prompt in the model's context of "
+            f"model.max_position_embeddings = {context} tokens: lower it below {context}"
+        )
+    prompt_tokens = config.data.max_prompt_tokens
+    if prompt_tokens + new_tokens > context:
+        raise ValueError(
+            f"data.max_prompt_tokens = {prompt_tokens} + rollout.max_new_tokens = {new_tokens} exceeds the model's "
+            f"context of model.max_position_embeddings = {context} tokens: lower one of them "
+            f"(data.max_prompt_tokens = 0 takes what the context leaves, {context - new_tokens})"
+        )
+
+
+def max_prompt_tokens(config: Config) -> int:
+    """The longest RL prompt, in tokens with BOS: data.max_prompt_tokens, or what the context leaves."""
+    return config.data.max_prompt_tokens or config.model.max_position_embeddings - config.rollout.max_new_tokens
+
+
+def check_rl_batches(config: Config, data_parallel_size: int) -> None:
+    """The rollout batch splits evenly over the data-parallel ranks, then into the K updates and their
+    micro-batches: an uneven split leaves a rank without samples, found only after a rollout."""
+    rollout, updates = config.rollout, config.rl.updates_per_rollout
+    _check_split("rollout.prompts_per_step", rollout.prompts_per_step, data_parallel_size)
+    per_rank = rollout.prompts_per_step // data_parallel_size * rollout.group_size
+    if per_rank % updates:
+        raise ValueError(
+            f"rl.updates_per_rollout = {updates} does not divide the {per_rank} samples of each data-parallel rank "
+            f"(rollout.prompts_per_step / {data_parallel_size} ranks x rollout.group_size): "
+            f"choose a divisor of {per_rank}"
+        )
+    _check_micro_batches(config, per_rank // updates, "samples of each update")
+
+
+def check_sft_batches(config: Config, data_parallel_size: int) -> None:
+    """sft.batch_size splits evenly over the data-parallel ranks and into micro-batches."""
+    _check_split("sft.batch_size", config.sft.batch_size, data_parallel_size)
+    _check_micro_batches(config, config.sft.batch_size // data_parallel_size, "pairs of each SFT step")
+
+
+def _check_split(name: str, value: int, data_parallel_size: int) -> None:
+    if value % data_parallel_size:
+        raise ValueError(
+            f"{name} = {value} is not divisible by the data-parallel size {data_parallel_size} "
+            f"(world size / (TP x PP)): use a multiple of {data_parallel_size}"
+        )
+
+
+def _check_micro_batches(config: Config, per_rank: int, what: str) -> None:
+    size = config.train.micro_batch_size
+    if size < per_rank and per_rank % size:
+        raise ValueError(
+            f"train.micro_batch_size = {size} does not divide the {per_rank} {what} on a data-parallel rank: "
+            f"choose a divisor of {per_rank}, or {per_rank} or more for one micro-batch"
+        )
+
+
+def _check_compile_decode(config: Config) -> None:
+    """rollout.compile_decode traces the lean decode step, which needs every weight in this process."""
+    if not config.rollout.compile_decode:
+        return
+    parallel = config.parallel
+    blockers = [
+        ("parallel.tensor_model_parallel_size", parallel.tensor_model_parallel_size, 1),
+        ("parallel.pipeline_model_parallel_size", parallel.pipeline_model_parallel_size, 1),
+        ("parallel.expert_model_parallel_size", parallel.expert_model_parallel_size, 1),
+        ("precision.transformer_engine", config.precision.transformer_engine, False),
+    ]
+    for name, value, needed in blockers:
+        if value != needed:
+            raise ValueError(
+                f"rollout.compile_decode = true needs {name} = {needed}, got {value}: the compiled decode "
+                f"step runs every layer's weights in one process; set rollout.compile_decode=false"
+            )
+
+
+def config_rollout_bytes(config: Config) -> int:
+    """Rollout cache bytes (``rollout_cache_bytes``) of rollout.max_running slots on the pipeline
+    stage that holds the most, at data.max_prompt_tokens + rollout.max_new_tokens."""
+    parallel, model = config.parallel, config.model
+    pp = parallel.pipeline_model_parallel_size
+    per_stage = model.num_layers // pp
+    kv_bytes = torch.finfo(getattr(torch, config.rollout.dtype)).bits // 8
+    return max(
+        rollout_cache_bytes(
+            model, range(stage * per_stage, (stage + 1) * per_stage), slots=config.rollout.max_running,
+            max_length=max_prompt_tokens(config) + config.rollout.max_new_tokens,
+            tensor_parallel=parallel.tensor_model_parallel_size, kv_bytes=kv_bytes,
+        )
+        for stage in range(pp)
+    )
+
+
+def _check_rollout_memory(config: Config) -> None:
+    """rollout.max_cache_gib caps the rollout cache of rollout.max_running slots (start-up check)."""
+    cap = config.rollout.max_cache_gib
+    if not cap:
+        return
+    slots = config.rollout.max_running
+    if slots == 0:
+        raise ValueError(
+            f"rollout.max_cache_gib = {cap:g} needs rollout.max_running > 0: 0 decodes all of a rank's samples "
+            "at once, which no cap bounds; set rollout.max_running"
+        )
+    needed = config_rollout_bytes(config) / GIB
+    if needed > cap:
+        raise ValueError(
+            f"rollout.max_running = {slots} slots need {needed:.2f} GiB of rollout cache at "
+            f"{max_prompt_tokens(config) + config.rollout.max_new_tokens} tokens per sequence, over "
+            f"rollout.max_cache_gib = {cap:g}: lower rollout.max_running (about {int(slots * cap / needed)} fit) "
+            "or raise the cap"
+        )

@@ -1,0 +1,250 @@
+"""The lean decode step (HybridModel.decode_step without Megatron's TransformerBlock, parallel
+linears and router, through each module's ``step``) computes what the Megatron path computes, on the
+same model: teacher-forced decode steps after a left-padded prefill give the same logits at every
+step (within 3e-5 of the logits' scale in fp32, 1e-12 in fp64: batches of up to 16 rows take their
+matmuls in another summation order: the CPU layer's few-rows kernel), for a padded batch (the MoE's grouped path, masked attention, a
+``cache.select`` midway) and a single sequence (the one-token MoE path, no mask); greedy rollouts
+through megacispo.rollout.generate.generate's slot engine (2 slots, a refill midway) on each path give the
+tokens and log-probs of the Megatron path decoding all prompts at once. The lean path is really
+taken: TransformerBlock.forward is not called during its decode steps. Runs in a gloo world of one;
+tests/test_rollout_layouts.py covers the multi-process layouts (TP with sequence parallelism: the
+Megatron path; EP = 2: the MoE's dispatcher; PP = 2: the lean path stage by stage).
+
+The compiled step (``decode_step(compiled=True)``, torch.compile of the lean path) is checked the
+same way in fp32 (the batch size changes midway and the softmax layer's cache grows: recompiles),
+and runs as compiled graphs: no decoder layer's ``step`` runs eagerly during its decode steps. Its
+guards leave out most checks of the modules (``_lean_step_guards``) but keep their Python values: two
+models that differ only in their norms' epsilon each get their own lean step's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacispo.testing.harness import run_distributed
+
+# Odd lengths, one across the tiny model's lightning block of 16.
+PROMPT_LENGTHS = (7, 19, 3)
+NUM_STEPS = 20
+KEEP_AFTER = 12  # after this many steps the padded batch keeps sequences [2, 0] (cache.select)
+# Relative to the largest logit: fp32 round-off amplified over 8 layers and 20 steps.
+TOLERANCE = {"float32": 3e-5, "float64": 1e-12}
+GREEDY_NEW_TOKENS = 16
+GREEDY_LIMITS = [5, 16, 11]
+EOS, PAD = 2, 0
+
+
+def _build_model(dtype: torch.dtype):
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    model_cfg = model_config("tiny")
+    init_distributed(ParallelConfig(), seed=21)
+    # A large init std: logits O(1), routing and attention far from uniform, greedy choices far from ties.
+    model = HybridModel(model_cfg, transformer_config(model_cfg, ParallelConfig(), init_method_std=0.3))
+    if dtype == torch.float64:
+        model.double()
+        model.config.moe_router_dtype = "fp64"
+    return model.eval()
+
+
+def _left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = True
+    return input_ids, mask
+
+
+class _CallCounter:
+    """Counts the calls of a module's forward (an instance attribute: Module.__call__ finds it first)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls = 0
+        self._forward = module.forward
+        module.forward = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._forward(*args, **kwargs)
+
+
+# decode_step's path: lean_decode and compiled.
+PATHS = {"lean": (True, False), "megatron": (False, False), "compiled": (True, True)}
+
+
+def _teacher_forced(model, prompts: list[torch.Tensor], steps: torch.Tensor, keep_after: int | None, paths) -> dict:
+    """Prefill, then the tokens ``steps`` [b, NUM_STEPS] one step at a time, on each path.
+    Returns each path's largest logit difference to the Megatron path and the logit scale, and how
+    often each path ran TransformerBlock.forward and (eagerly) a decoder layer's ``step``."""
+    from megacispo.models.decoder_layer import HybridDecoderLayer
+
+    block_counter = _CallCounter(model.decoder)
+    step_calls = {"count": 0}
+    eager_step = HybridDecoderLayer.step
+
+    def counted_step(*args, **kwargs):
+        # Dynamo replays a traced function's side effects after its graph: count eager runs only.
+        if not torch.compiler.is_compiling():
+            step_calls["count"] += 1
+        return eager_step(*args, **kwargs)
+
+    input_ids, mask = _left_pad(prompts)
+    caches = {path: model.prefill(input_ids, mask)[1] for path in paths}
+    rows = torch.arange(len(prompts))
+    error = {path: 0.0 for path in paths}
+    scale = 0.0
+    block_calls = {path: 0 for path in paths}
+    layer_steps = {path: 0 for path in paths}
+    HybridDecoderLayer.step = counted_step
+    try:
+        for step in range(NUM_STEPS):
+            if step == keep_after:
+                rows = torch.tensor([2, 0])
+                caches = {path: cache.select(rows) for path, cache in caches.items()}
+            logits = {}
+            for path in paths:
+                model.lean_decode, compiled = PATHS[path]
+                blocks_before, steps_before = block_counter.calls, step_calls["count"]
+                logits[path], caches[path] = model.decode_step(steps[rows, step], caches[path], compiled=compiled)
+                block_calls[path] += block_counter.calls - blocks_before
+                layer_steps[path] += step_calls["count"] - steps_before
+            for path in paths:
+                error[path] = max(error[path], (logits[path] - logits["megatron"]).abs().max().item())
+            scale = max(scale, logits["megatron"].abs().max().item())
+    finally:
+        HybridDecoderLayer.step = eager_step
+        model.lean_decode = True
+    return {"error": error, "scale": scale, "block_calls": block_calls, "layer_steps": layer_steps}
+
+
+def _greedy(model, prompts: list[torch.Tensor], paths) -> dict:
+    """Greedy rollouts on each path through the slot engine (2 slots for 3 prompts with per-sample
+    length limits: a refill midway, per-row positions), and on the Megatron path all at once."""
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import generate, sample_keys
+
+    results = {}
+    runs = [("all at once", "megatron", 0), *((path, path, 2) for path in paths)]
+    for name, path, slots in runs:
+        model.lean_decode, compiled = PATHS[path]
+        config = RolloutConfig(max_new_tokens=GREEDY_NEW_TOKENS, temperature=0.0, compile_decode=compiled,
+                               max_running=slots)
+        samples = generate(
+            model, [p.tolist() for p in prompts], config, stop_ids=[EOS], pad_id=PAD,
+            keys=sample_keys((0,), range(len(prompts)), 1, device="cpu"), response_limits=GREEDY_LIMITS,
+        )
+        results[name] = (samples.tokens, samples.rollout_logprobs, samples.response_lengths)
+    model.lean_decode = True
+    return results
+
+
+def _compare_paths(dtype_name: str) -> dict:
+    dtype = getattr(torch, dtype_name)
+    model = _build_model(dtype)
+    generator = torch.Generator().manual_seed(4)
+    # Token ids from 3 up: no prompt token is EOS or PAD.
+    prompts = [torch.randint(3, model.vocab_size, (length,), generator=generator) for length in PROMPT_LENGTHS]
+    steps = torch.randint(0, model.vocab_size, (len(prompts), NUM_STEPS), generator=generator)
+    # torch.compile's cost (tens of seconds on 2 cores) is paid once, in fp32.
+    paths = tuple(PATHS) if dtype == torch.float32 else ("lean", "megatron")
+    return {
+        "paths": paths,
+        "padded_batch": _teacher_forced(model, prompts, steps, KEEP_AFTER, paths),
+        "single_sequence": _teacher_forced(model, prompts[1:2], steps[1:2], None, paths),
+        "greedy": _greedy(model, prompts, paths) if dtype == torch.float32 else None,
+        "other_constants": _other_constants(model, prompts[:2], steps[:2, :4]) if dtype == torch.float32 else None,
+    }
+
+
+def _other_constants(model, prompts: list[torch.Tensor], steps: torch.Tensor) -> dict:
+    """A second model with ``model``'s weights whose norms' epsilon differs (a Python number in its
+    modules, a constant in the compiled graph), decoded after ``model`` compiled steps on the same
+    inputs: each model's compiled steps give its own lean steps' logits, not the other's graph."""
+    from megacispo.models.config import transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig
+
+    other_cfg = model.hybrid_config.replace(norm_eps=0.5)
+    other = HybridModel(other_cfg, transformer_config(other_cfg, ParallelConfig(), init_method_std=0.3)).eval()
+    other.load_state_dict(model.state_dict())
+    input_ids, mask = _left_pad(prompts)
+    logits = {}
+    # ``model`` compiles for exactly these inputs first: ``other`` then passes every guard on them.
+    runs = (("model compiled", model, True), ("model", model, False), ("other", other, False),
+            ("other compiled", other, True))
+    for name, decoder, compiled in runs:
+        _, cache = decoder.prefill(input_ids, mask)
+        logits[name] = torch.stack(
+            [decoder.decode_step(steps[:, step], cache, compiled=compiled)[0] for step in range(steps.shape[1])]
+        )
+    return {
+        "compiled_error": max(
+            (logits[f"{name} compiled"] - logits[name]).abs().max().item() for name in ("model", "other")
+        ),
+        "models_differ": (logits["other"] - logits["model"]).abs().max().item(),
+        "scale": logits["other"].abs().max().item(),
+    }
+
+
+@pytest.fixture(scope="module", params=["float32", "float64"])
+def compared(request):
+    (result,) = run_distributed(_compare_paths, 1, request.param)
+    return request.param, result
+
+
+@pytest.mark.parametrize("case", ["padded_batch", "single_sequence"])
+def test_lean_step_logits_equal_megatron_path(compared, case):
+    dtype_name, result = compared
+    outcome = result[case]
+    assert outcome["scale"] > 1.0, "the test model must produce non-trivial logits"
+    for path in result["paths"]:
+        assert outcome["error"][path] <= TOLERANCE[dtype_name] * outcome["scale"], (
+            f"{case} {dtype_name} {path}: max abs difference {outcome['error'][path]:.2e} "
+            f"at logits up to {outcome['scale']:.1f}"
+        )
+
+
+@pytest.mark.parametrize("case", ["padded_batch", "single_sequence"])
+def test_lean_step_skips_transformer_block(compared, case):
+    _, result = compared
+    calls = result[case]["block_calls"]
+    for path in result["paths"]:
+        expected = NUM_STEPS if path == "megatron" else 0
+        assert calls[path] == expected, f"{path}: TransformerBlock.forward ran {calls[path]} times in {NUM_STEPS} steps"
+
+
+@pytest.mark.parametrize("case", ["padded_batch", "single_sequence"])
+def test_compiled_step_runs_no_layer_eagerly(compared, case):
+    dtype_name, result = compared
+    if "compiled" not in result["paths"]:
+        pytest.skip("the compiled step is checked in the fp32 model")
+    layer_steps = result[case]["layer_steps"]
+    assert layer_steps["lean"] > 0, "the count must see the lean path's eager layer steps"
+    assert layer_steps["compiled"] == 0, f"the compiled path ran a layer's step eagerly {layer_steps['compiled']} times"
+
+
+def test_greedy_rollout_equal_on_all_paths(compared):
+    dtype_name, result = compared
+    if result["greedy"] is None:
+        pytest.skip("greedy rollouts are compared in the fp32 model")
+    tokens, logprobs, lengths = result["greedy"]["all at once"]
+    assert bool((lengths > 1).any()), "some response must run decode steps"
+    for path in result["paths"]:
+        path_tokens, path_logprobs, path_lengths = result["greedy"][path]
+        assert torch.equal(path_lengths, lengths) and torch.equal(path_tokens, tokens), path
+        scale = max(1.0, logprobs.abs().max().item())
+        torch.testing.assert_close(path_logprobs, logprobs, rtol=0, atol=TOLERANCE[dtype_name] * scale)
+
+
+def test_compiled_step_of_each_model_reads_its_own_constants(compared):
+    dtype_name, result = compared
+    outcome = result["other_constants"]
+    if outcome is None:
+        pytest.skip("the compiled step is checked in the fp32 model")
+    assert outcome["models_differ"] > 1e-2 * outcome["scale"], "the epsilons must change the logits"
+    assert outcome["compiled_error"] <= TOLERANCE[dtype_name] * outcome["scale"], outcome

@@ -1,0 +1,10 @@
+"""The GPU check's CPU twin (``benchmarks/gpu_check.sh --cpu``) with bf16 weights: every driver stage
+passes (tests/multiprocess/test_gpu_check.py runs it in fp32)."""
+
+from __future__ import annotations
+
+from megacispo.testing.gpu_check_twin import assert_every_stage_passed, cpu_twin
+
+
+def test_cpu_twin_runs_every_driver_stage_in_bf16(tmp_path):
+    assert_every_stage_passed(cpu_twin(tmp_path, "bfloat16"), "bfloat16")

@@ -1,0 +1,33 @@
+"""Reward functions that inject faults, for tests/multiprocess/test_faults.py and test_async_rollout.py
+(loaded by the trainer as ``megacispo.testing.fault_rewards:name``)."""
+
+import os
+import signal
+
+# Set for the run to preempt: the reward call of rank 0 at which it sends SIGTERM to its launcher
+# (torchrun, the workers' parent), as a cluster's scheduler would.
+SIGTERM_AT_CALL = "MEGACISPO_TEST_SIGTERM_AT_CALL"
+_calls = 0
+_preempted = False
+
+
+def alternating_until_preempted(response: str, record) -> float:
+    """1.0 for every other sample, so that each group (of an even size) holds both rewards: dynamic
+    sampling keeps every group, each step takes one rollout round, and each rank makes the same calls
+    in every run. At the call SIGTERM_AT_CALL rank 0 sends SIGTERM to its launcher, and from then on
+    every sample gets 0.0: dynamic sampling drops every group and draws round after round, up to
+    rollout.max_sampling_rounds, so the step in flight outlasts any grace unless it is abandoned."""
+    global _calls, _preempted
+    _calls += 1
+    if os.environ.get("RANK") == "0" and str(_calls) == os.environ.get(SIGTERM_AT_CALL):
+        os.kill(os.getppid(), signal.SIGTERM)
+        _preempted = True
+    return 0.0 if _preempted else float(_calls % 2)
+
+
+def exit_on_the_rollout_process(response: str, record) -> float:
+    """A reward that kills the rollout process (rank 1) at its first call, as a crash would; the
+    training process's evaluation scores 0."""
+    if os.environ.get("RANK") == "1":
+        os._exit(3)
+    return 0.0

@@ -1,0 +1,44 @@
+"""The GPU check's CPU twin (``benchmarks/gpu_check.sh --cpu``) run from the tests, and its driver
+table read back (tests/multiprocess/test_gpu_check.py, tests/slow/test_gpu_check.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TABLE_HEADER = "| stage | dtype | s | result | status |"
+DRIVER_STAGES = ["sft", "rl", "save", "resume", "score"]
+
+
+def cpu_twin(run_dir: Path, dtype: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--cpu", "--driver-dtype", dtype, "--run-dir", str(run_dir), *extra],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+def stage_rows(stdout: str) -> list[dict[str, str]]:
+    """The driver table's rows as {column: cell}."""
+    lines = stdout.splitlines()
+    assert TABLE_HEADER in lines, stdout
+    columns = [cell.strip() for cell in TABLE_HEADER.strip("|").split("|")]
+    body = lines[lines.index(TABLE_HEADER) + 2:]
+    rows = []
+    for line in body:
+        if not line.startswith("| "):
+            break
+        rows.append(dict(zip(columns, (cell.strip() for cell in line.strip("|").split(" | ")))))
+    return rows
+
+
+def assert_every_stage_passed(result: subprocess.CompletedProcess, dtype: str) -> None:
+    rows = stage_rows(result.stdout)
+    assert [(row["stage"], row["dtype"]) for row in rows] == [("data + tokenizer", "-")] + [
+        (stage, dtype) for stage in DRIVER_STAGES]
+    failed = [row for row in rows if row["status"] != "pass"]
+    assert not failed, f"{failed}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -1,0 +1,142 @@
+"""The run config: YAML + dotted overrides, typed, validated once with errors that name the field."""
+
+from pathlib import Path
+
+import pytest
+
+from megacispo.config import Config, parse_override, to_dict
+from megacispo.startup import check_rl_batches, check_sft_batches, max_prompt_tokens, run_config
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
+
+
+def test_defaults_are_the_m1_recipe():
+    config = run_config(None)
+    assert config.rl.loss.name == "cispo"
+    assert config.rl.loss.params["eps_low"] == 1.0 and config.rl.loss.params["eps_high"] == 4.0
+    assert (config.optimizer.adam_beta1, config.optimizer.adam_beta2, config.optimizer.adam_eps) == (0.9, 0.95, 1e-15)
+    assert config.model.num_layers == 8 and config.model.layer_pattern.startswith("LLLLLLLS")
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  size: tiny\n  num_layers: 16\nrl:\n  loss:\n    name: dapo\ntrain:\n  steps: 3\n")
+    config = run_config(str(path), ["train.steps=5", "rl.loss.params.eps_high=0.3", "optimizer.lr=1e-3",
+                                      "parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=2"])
+    assert config.model.num_layers == 16
+    assert config.train.steps == 5
+    assert config.rl.loss.name == "dapo" and config.rl.loss.params == {"eps_low": 0.2, "eps_high": 0.3}
+    assert config.optimizer.lr == 1e-3 and isinstance(config.optimizer.lr, float)
+    assert config.parallel.sequence_parallel is True
+
+
+def test_resolved_config_round_trips():
+    config = run_config(None, ["train.steps=7"])
+    assert isinstance(to_dict(config)["model"], dict)
+    assert to_dict(config)["train"]["steps"] == 7
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.grup_size=4", r"config.rollout.grup_size: unknown field; valid fields of config.rollout: .*group_size"),
+        ("train.steps=many", r"config.train.steps: expected int, got 'many'"),
+        ("train.steps=0", r"train.steps = 0: it must be >= 1"),
+        ("sft.decay_steps=-5", r"sft.decay_steps = -5: it must be >= 0"),
+        ("rollout.group_size=1", r"rollout.group_size = 1"),
+        ("rollout.top_p=1.5", r"rollout.top_p = 1.5: it must be in \(0, 1\]"),
+        ("rollout.top_k=-5", r"rollout.top_k = -5: it must be >= 0 \(0: off\)"),
+        ("optimizer.lr=-1", r"optimizer.lr = -1.0: it must be > 0"),
+        ("optimizer.lr=.nan", r"config.optimizer.lr: expected a finite number, got nan"),
+        ("optimizer.lr=inf", r"config.optimizer.lr: expected a finite number, got 'inf'"),
+        ("optimizer.adam_beta2=1", r"optimizer.adam_beta2 = 1.0: it must be in \[0, 1\)"),
+        ("optimizer.min_lr=0.1", r"optimizer.min_lr = 0.1 exceeds optimizer.lr = 0.0001"),
+        ("rl.max_reward_failure_frac=2", r"rl.max_reward_failure_frac = 2.0: it must be in \[0, 1\]"),
+        ("rl.reward=nope", r"rl.reward: reward 'nope': unknown reward name"),
+        ("train.run_dir=''", r"train.run_dir is empty"),
+        ("data.overlong_prompts=cut", r"data.overlong_prompts = 'cut': use error, skip, truncate_left"),
+        ("rollout.max_new_tokens=4096", r"rollout.max_new_tokens = 4096 leaves no room for a prompt"),
+        ("data.max_prompt_tokens=4090", r"data.max_prompt_tokens = 4090 \+ rollout.max_new_tokens = 16 exceeds"),
+        ("rl.loss.name=ppo", r"rl.loss.name = 'ppo': use one of cispo, dapo, grpo, gspo, reinforce"),
+        ("rl.loss.params.eps_hgh=1", r"rl.loss: unknown parameter\(s\) eps_hgh"),
+        ("rl.old_logprobs=cached", r"rl.old_logprobs = 'cached'"),
+        ("model.size=huge", r"config.model: model size 'huge' is unknown"),
+        ("model.num_layrs=2", r"config.model.num_layrs: unknown field"),
+        ("parallel.tensor_model_parallel_size=two", r"config.parallel.tensor_model_parallel_size: expected int"),
+    ],
+)
+def test_bad_config_names_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        run_config(None, [override])
+
+
+def test_override_syntax_and_missing_file():
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_override("train.steps")
+    with pytest.raises(ValueError, match="no such file"):
+        run_config("/nonexistent/run.yaml")
+
+
+def test_yaml_syntax_errors_name_the_place(tmp_path):
+    with pytest.raises(ValueError, match=r"^--set 'train.steps=\[1': invalid YAML at line 1, column 3: "):
+        parse_override("train.steps=[1")
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 3\n   seed: 1\n")
+    with pytest.raises(ValueError, match=rf"^--config {path}: invalid YAML at line 3, column 8: ") as error:
+        run_config(str(path))
+    assert "\n" not in str(error.value)
+
+
+def test_prompt_limit_defaults_to_what_the_context_leaves():
+    assert max_prompt_tokens(run_config(None)) == 4096 - 16
+    assert max_prompt_tokens(run_config(None, ["data.max_prompt_tokens=100"])) == 100
+
+
+@pytest.mark.parametrize(
+    "overrides, data_parallel_size, message",
+    [
+        ([], 1, None),
+        (["rollout.prompts_per_step=3"], 2, r"rollout.prompts_per_step = 3 is not divisible by the data-parallel size"),
+        (["rl.updates_per_rollout=3"], 1, r"rl.updates_per_rollout = 3 does not divide the 64 samples"),
+        (["rl.updates_per_rollout=8"], 4, None),
+        (["rl.updates_per_rollout=32"], 4, r"rl.updates_per_rollout = 32 does not divide the 16 samples"),
+        (["train.micro_batch_size=3"], 1, r"train.micro_batch_size = 3 does not divide the 16 samples of each update"),
+        (["train.micro_batch_size=64"], 1, None),  # one micro-batch
+    ],
+)
+def test_rl_batches_split_over_the_data_parallel_ranks(overrides, data_parallel_size, message):
+    config = run_config(None, overrides)  # 8 prompts x 8 samples, 4 updates, micro-batches of 8
+    if message is None:
+        check_rl_batches(config, data_parallel_size)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_rl_batches(config, data_parallel_size)
+
+
+def test_sft_batches_split_over_the_data_parallel_ranks():
+    check_sft_batches(run_config(None, ["sft.batch_size=64"]), 8)  # 8 pairs a rank, one micro-batch
+    with pytest.raises(ValueError, match=r"sft.batch_size = 6 is not divisible by the data-parallel size 4"):
+        check_sft_batches(run_config(None, ["sft.batch_size=6"]), 4)
+    with pytest.raises(ValueError, match=r"train.micro_batch_size = 8 does not divide the 12 pairs of each SFT step"):
+        check_sft_batches(run_config(None, ["sft.batch_size=24"]), 2)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_configs_load(path):
+    assert isinstance(run_config(str(path)), Config)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("parallel.expert_model_parallel_size=2", r"needs parallel.expert_model_parallel_size = 1, got 2"),
+        ("parallel.tensor_model_parallel_size=2", r"needs parallel.tensor_model_parallel_size = 1, got 2"),
+        ("parallel.pipeline_model_parallel_size=2", r"needs parallel.pipeline_model_parallel_size = 1, got 2"),
+        ("precision.use_transformer_engine=true", r"needs precision.transformer_engine = False, got True"),
+    ],
+)
+def test_compile_decode_refuses_a_layout_it_cannot_trace(layout, message):
+    run_config(None, [layout])  # the layout alone is valid
+    with pytest.raises(ValueError, match=rf"rollout.compile_decode = true {message}.*rollout.compile_decode=false"):
+        run_config(None, ["rollout.compile_decode=true", layout])
+    assert run_config(None, ["rollout.compile_decode=true"]).rollout.compile_decode
