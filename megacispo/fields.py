@@ -1,6 +1,6 @@
 """What the config sections share to check their own fields: the range a number must lie in, declared
-with the field (``ranged``) and written as its error message says it. Every error names the dotted
-field, the value and the fix."""
+with the field (``ranged``) and written as its error message says it, and the choices a name must be
+one of. Every error names the dotted field, the value and the fix."""
 
 from __future__ import annotations
 
