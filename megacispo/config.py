@@ -161,9 +161,15 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def _parse_yaml(text: str, where: str) -> Any:
-    """``text`` as YAML; a syntax error becomes one line naming ``where``, the line and the column."""
+    """``text`` as YAML; a syntax error or a repeated key becomes one line naming ``where``, the line and
+    the column."""
+    loader = yaml.SafeLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, where, "", set())
+        return loader.construct_document(node)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark
         raise ValueError(
@@ -172,6 +178,40 @@ def _parse_yaml(text: str, where: str) -> Any:
         ) from None
     except yaml.YAMLError as error:  # e.g. a control character, which has no problem mark
         raise ValueError(f"{where}: invalid YAML: {str(error).splitlines()[0]}; fix the text") from None
+    finally:
+        loader.dispose()
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_duplicate_keys(node: yaml.Node, where: str, path: str, seen: set[int]) -> None:
+    """A key written twice in one mapping is an error: YAML keeps the last silently, so a second
+    ``rollout:`` section would drop the first whole. Keys that a merge (``<<: *anchor``) brings in may be
+    overridden: only the keys written in the mapping itself count."""
+    if id(node) in seen:  # an alias: checked where its anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_lines: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                _refuse_duplicate_keys(value_node, where, path, seen)
+                continue
+            if isinstance(key_node, yaml.ScalarNode):
+                key, mark = (key_node.tag, key_node.value), key_node.start_mark
+                dotted = f"{path}.{key_node.value}" if path else key_node.value
+                if key in first_lines:
+                    raise ValueError(f"{where}: duplicate key {dotted!r} at line {mark.line + 1}, column "
+                                     f"{mark.column + 1} (first at line {first_lines[key]}): YAML would keep only "
+                                     f"the last; keep one")
+                first_lines[key] = mark.line + 1
+            else:
+                dotted = path
+            _refuse_duplicate_keys(value_node, where, dotted, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, where, f"{path}[{index}]", seen)
 
 
 def _read_config_file(path: str) -> dict:

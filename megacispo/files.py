@@ -5,10 +5,14 @@ reader (or a run after a crash) sees the old version or the whole new one, never
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import os
 import secrets
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, TextIO
 
@@ -92,3 +96,75 @@ def atomic_save_pretrained(obj: Any, directory: str | os.PathLike) -> list[Path]
             os.replace(item, directory / item.name)
             written.append(directory / item.name)
     return written
+
+
+def check_writable_directory(field: str, path: str | os.PathLike) -> None:
+    """ValueError naming ``field`` unless ``path`` is, or can be made, a directory this process writes
+    in: checked at start-up, where a run would otherwise fail at its first write (a checkpoint after
+    its first step, an export after the whole run)."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is below {existing}, a file"
+        raise ValueError(f"{field} = {path} {what}, not a directory: choose a directory path")
+    # access() answers for this user and for the filesystem (a read-only mount refuses even root).
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing}, where it would be made)"
+        raise ValueError(f"{field} = {path}{where} is not writable by this user: choose a directory you can write "
+                         f"in, or change its permissions")
+
+
+LOCK_FILE = ".lock"
+
+
+class DirectoryInUse(ValueError):
+    """Another live process holds the directory's lock; the message names it (host, PID, start)."""
+
+
+@dataclasses.dataclass
+class DirectoryLock:
+    """A directory's lock file (``LOCK_FILE``), held by this process through ``file``: an exclusive
+    flock, which the kernel releases when the process ends however it ends, so a lock whose holder is
+    gone is taken over. The file names its holder for whoever finds it held."""
+
+    path: Path
+    file: TextIO
+    previous_holder: str
+    """The holder recorded by a process that ended without releasing the lock ('' if none)."""
+    made_directory: bool
+    """The lock made the directory: its release removes it again if nothing else was written there."""
+
+    def release(self) -> None:
+        """Remove the lock file (still held, so no other process takes it meanwhile) and let go."""
+        self.path.unlink()
+        self.file.close()
+        if self.made_directory and not any(self.path.parent.iterdir()):
+            self.path.parent.rmdir()
+
+
+def lock_directory(directory: str | os.PathLike, field: str) -> DirectoryLock:
+    """Take ``directory``'s lock for this process (making the directory); DirectoryInUse naming
+    ``field``, the holder and the fix while another live process holds it."""
+    directory = Path(directory)
+    made_directory = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    file = open(path, "a+")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "a process that has not named itself yet"
+        file.close()
+        raise DirectoryInUse(f"{field} = {directory} is in use by {holder} (lock {path}): wait for that run to end, "
+                             f"or choose another {field}") from None
+    file.seek(0)
+    previous = file.read().strip()
+    file.seek(0)
+    file.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    file.write(f"the run of PID {os.getpid()} on host {socket.gethostname()}, started {started}\n")
+    flush_to_disk(file)
+    return DirectoryLock(path, file, previous, made_directory)

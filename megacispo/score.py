@@ -6,15 +6,19 @@
 Each input line is a JSON object with "tokens": [ids]; the output line is the same object plus
 "logprobs", where logprobs[i] = log p(tokens[i + 1] | tokens[: i + 1]) (length len(tokens) - 1),
 computed in fp32 from the model's vocab-sharded logits with vocab_parallel_logprobs over the TP
-group. --load is a megacispo checkpoint (a step_* directory, or a checkpoints root: its newest
-step) or a Hugging Face directory, checked before any process group exists; the model and its
-dtype are the checkpoint's (an HF directory's config.json: a model section of --config that
-contradicts it is an error), and every rank reads its own piece of the weights. The layout is the
-config's parallel section (--config and --set, as for megacispo.train): parallel.*_size splits the
-model as in training, and with TP > 1 the model runs with sequence parallelism, as megacispo trains
-it (each sequence is padded at its end to a multiple of TP: causal, so earlier positions do not see
-the padding; the MoE drops no tokens). The sequences are split over the data-parallel ranks, one
-sequence per forward through Megatron's schedule; rank 0 writes --out atomically.
+group. Input and output are strict JSON (no NaN or Infinity): a log-prob that is not finite (an
+overflow in the forward pass) is written as null, its positions listed under
+"nonfinite_positions", and a warning says how many sequences have one. --load is a megacispo
+checkpoint (a step_* directory, or a checkpoints root: its newest step) or a Hugging Face directory,
+checked before any process group exists; the model and its dtype are the checkpoint's (an HF
+directory's config.json: a model section of --config that contradicts it is an error), and every
+rank reads its own piece of the weights, each tensor checked to be finite (a NaN or infinity ends
+the run with one error naming the tensor and its file). The layout is the config's parallel section
+(--config and --set, as for megacispo.train): parallel.*_size splits the model as in training, and
+with TP > 1 the model runs with sequence parallelism, as megacispo trains it (each sequence is
+padded at its end to a multiple of TP: causal, so earlier positions do not see the padding; the MoE
+drops no tokens). The sequences are split over the data-parallel ranks, one sequence per forward
+through Megatron's schedule; rank 0 writes --out atomically.
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ def score_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_constant(name: str) -> None:
+    """Python's json reads NaN and Infinity, which JSON lacks: --out must be strict JSON."""
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
 def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any]]:
     """The input objects; ValueError naming the line for anything that is not a non-empty list of
     token ids in [0, vocab_size)."""
@@ -69,7 +78,7 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=_refuse_constant)
         except json.JSONDecodeError as error:
             raise ValueError(f"--tokens {path} line {number}: not JSON ({error}).") from None
         tokens = record.get("tokens") if isinstance(record, dict) else None

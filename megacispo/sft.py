@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from megacispo.checkpoint.hf import check_start_weights
+from megacispo.files import check_writable_directory
 from megacispo.startup import (
     bad_input_exits,
     build_parser,
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(__doc__, load_field="sft.load").parse_args(argv)
     with bad_input_exits():
         config, world_size = start_up(args, check_sft_batches)
+        out_field = "sft.out" if config.sft.out else "train.run_dir"  # sft.out defaults to <train.run_dir>/sft
+        check_writable_directory(out_field, config.sft.out or config.train.run_dir)
         if args.dry_run:
             print(plan(config, world_size))
             return 0

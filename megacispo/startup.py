@@ -15,6 +15,7 @@ import time
 import warnings
 from typing import Callable
 
+import psutil
 import torch
 
 from megacispo.config import Config, load_config
@@ -24,6 +25,7 @@ from megacispo.data.tokenizer import Tokenizer
 from megacispo.fields import check_choice
 from megacispo.metrics.logger import check_logging
 from megacispo.models.config import check_precision_and_recompute, model_shape, parameter_counts
+from megacispo.models.routing import route_dtype
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import validate_layout, world_size_from_env
 from megacispo.rl import adaptive_clip
@@ -67,7 +69,7 @@ def is_rank_zero() -> bool:
 
 
 @contextlib.contextmanager
-def bad_input_exits(kind: type[ValueError] = ValueError):
+def bad_input_exits(kind: type[ValueError] | tuple[type[ValueError], ...] = ValueError):
     """Bad input (a ``kind`` of ValueError naming the field, the value and the fix) ends the process
     with exit code 2 and one ``error:`` line, without a traceback. Every rank checks the same input and
     finds the same error: rank 0 prints it, the others exit quietly with the same code. Once the run
@@ -340,6 +342,61 @@ def check_rl_batches(config: Config, data_parallel_size: int) -> None:
             f"choose a divisor of {per_rank}"
         )
     _check_micro_batches(config, per_rank // updates, "samples of each update")
+    _check_rollout_host_memory(config, per_rank)
+
+
+# Host bytes of one sample in Python objects, whatever its length: its prompt's token list, and its
+# entries in the rollout's waiting queue and per-sample lists and in the repeated prompt records.
+SAMPLE_OBJECT_BYTES = 200
+# Host bytes of one position of one sample outside the expert routes: the rollout's response tokens
+# (int64) and log-probs (fp32), and the batch's tokens (int64) and log-probs (fp32) made from them.
+POSITION_BYTES = 24
+
+
+def rollout_bytes(config: Config, samples: int) -> tuple[int, int]:
+    """Lower bounds on one process's rollout of ``samples`` samples, as (the host memory of the samples:
+    their tokens, log-probs and expert routes at 1 + rollout.max_new_tokens positions each, the
+    shortest a prompt makes them; the rollout cache of rollout.max_running slots, or of every sample
+    when it is 0, on the device that generates)."""
+    model, parallel = config.model, config.parallel
+    layers = model.num_layers // parallel.pipeline_model_parallel_size
+    positions = 1 + config.rollout.max_new_tokens
+    route_bytes = layers * model.moe_router_topk * route_dtype(model.num_experts).itemsize
+    held = samples * (SAMPLE_OBJECT_BYTES + positions * (POSITION_BYTES + route_bytes))
+    cache = rollout_cache_bytes(model, range(layers), slots=min(config.rollout.max_running or samples, samples),
+                                max_length=positions, tensor_parallel=parallel.tensor_model_parallel_size,
+                                kv_bytes=torch.finfo(getattr(torch, config.rollout.dtype)).bits // 8)
+    return held, cache
+
+
+def _check_rollout_host_memory(config: Config, samples_per_rank: int) -> None:
+    """A rollout batch whose samples cannot fit in this machine's memory is refused before any work,
+    rather than growing until the machine runs out. The processes on this machine are torchrun's
+    LOCAL_WORLD_SIZE (a plain dry run: one). The cache is host memory only where torchrun runs the
+    processes here without CUDA (the CPU back-end): a dry run on a login node cannot tell where a
+    run will generate, and a GPU's cache is checked against its free memory when the rollout starts."""
+    rollout = config.rollout
+    samples = samples_per_rank
+    if config.placement.rollout_ranks:
+        samples = max(samples, rollout.prompts_per_step // config.placement.rollout_ranks * rollout.group_size)
+    held, cache = rollout_bytes(config, samples)
+    if "LOCAL_WORLD_SIZE" not in os.environ or torch.cuda.is_available():
+        cache = 0
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    total = psutil.virtual_memory().total
+    if (held + cache) * processes <= total:
+        return
+    fixes = ["lower rollout.group_size or rollout.prompts_per_step", "spread the batch over more data-parallel ranks"]
+    if cache > held and rollout.max_running == 0:
+        fixes.insert(0, "set rollout.max_running (e.g. 256: the cache of that many slots, not of every sample)")
+    cache_part = (f" and {cache / GIB:.1f} GiB for the rollout cache of rollout.max_running = {rollout.max_running} "
+                  f"({'every sample at once' if rollout.max_running == 0 else 'slots'})") if cache else ""
+    raise ValueError(
+        f"rollout.prompts_per_step = {rollout.prompts_per_step} x rollout.group_size = {rollout.group_size} puts "
+        f"{samples} samples on each process that generates: at least {held / GIB:.1f} GiB of host memory per process "
+        f"for their tokens, log-probs and expert routes{cache_part}, {(held + cache) * processes / GIB:.1f} GiB for "
+        f"the {processes} process(es) on this machine, over its {total / GIB:.1f} GiB: " + ", or ".join(fixes)
+    )
 
 
 def check_sft_batches(config: Config, data_parallel_size: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from megacispo.checkpoint.hf import check_export_target
+from megacispo.files import check_writable_directory
 from megacispo.rl.metric_hooks import build_metric_hooks
 from megacispo.rl.start import check_start
 from megacispo.startup import (
@@ -24,15 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with bad_input_exits():
         config, world_size = start_up(args, check_rl_batches)
+        check_writable_directory("train.run_dir", config.train.run_dir)
         if config.train.export_hf:
             check_export_target("train.export_hf", config.train.export_hf)
+            check_writable_directory("train.export_hf", config.train.export_hf)
         if args.dry_run:
             print(plan(config, world_size))
             return 0
         tokenizer = load_tokenizer(config)
         metric_hooks = build_metric_hooks(config.logging.metric_hooks, tokenizer)
         train_records, test_records, prompt_metrics = load_rl_prompts(config, tokenizer)
-        start = check_start(config, args.resume)  # the checkpoints, before anything is built
+        start = check_start(config, args.resume, train_records)  # the checkpoints, before anything is built
     # After the dry run, which imports no Megatron-Core (tests/multiprocess/test_examples.py): the run does.
     from megacispo.rl.run import run_rl
 

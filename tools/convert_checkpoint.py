@@ -6,7 +6,9 @@ streaming tensor by tensor (memory: a few tensors, never the model).
 
 A checkpoint written here loads at any layout; --tp/--pp/--ep/--etp are validated and recorded in
 meta.json. Everything is written beside --out and renamed at the end: a failed conversion leaves
-nothing at --out. See docs/guides/conversion.md.
+nothing at --out. An HF directory is checked as train.load checks one (config.json, then the
+tensors' headers) before anything is read, and each tensor is checked to be finite as it is read;
+bad input ends with exit code 2 and one error: line. See docs/guides/conversion.md.
 """
 
 import argparse

@@ -89,7 +89,8 @@ def _greedy_accuracy(model, tokenizer: Tokenizer, config: Config, records: list[
         "" if first in tokenizer.stop_ids else tokenizer.decode([first]) + response_text(tokenizer, samples, row)
         for row, first in enumerate(forced)
     ]
-    rewards = score_responses(get_reward_fn(config.rl.reward), texts, records, config.rl.failure_reward).rewards
+    rewards = score_responses(get_reward_fn(config.rl.reward), texts, records, config.rl.failure_reward,
+                              timeout_s=config.rl.reward_timeout_s).rewards
     return sum(reward >= 1.0 for reward in rewards) / len(records)
 
 

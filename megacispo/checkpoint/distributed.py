@@ -15,8 +15,9 @@ directory, which is never read and which the next save removes. One run writes t
 
 A checkpoint verifies (``verify_checkpoint``, before anything is built) when meta.json reads back,
 every file it records is there with its recorded size, and the small files every rank reads
-(Megatron's metadata.json and common.pt) are intact. Damage inside a shard shows when it loads:
-``load_checkpoint`` reports it as a ``CheckpointError`` naming the file, on every rank alike, so a
+(Megatron's metadata.json and common.pt, torch DCP's .metadata) are intact and hold nothing that
+would run code (megacispo.checkpoint.unpickling: loading a checkpoint unpickles nothing else).
+Damage inside a shard shows when it loads: ``load_checkpoint`` reports it as a ``CheckpointError`` naming the file, on every rank alike, so a
 resumed run can pass over that checkpoint to an older one.
 
 The optimizer state uses the distributed optimizer's ``fully_reshardable`` format (per-parameter
@@ -27,6 +28,7 @@ and across EP, which changes Megatron's chain of optimizers (``_state_for_chain`
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -36,14 +38,14 @@ import shutil
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megacispo.checkpoint.formats import META_FILE
+from megacispo.checkpoint.unpickling import RefusedPickle, load_weights_only, read_dcp_metadata
 from megacispo.files import flush_to_disk, fsync_path, publish_directory
 
 # 2: meta.json records the size of every file of the checkpoint.
@@ -54,6 +56,10 @@ TEMP_PREFIX = ".tmp_"
 # every rank reads both before the shards.
 MEGATRON_CONFIG_FILE = "metadata.json"
 MEGATRON_COMMON_FILE = "common.pt"
+# torch DCP's index of the shards (a pickle: megacispo.checkpoint.unpickling reads it).
+DCP_INDEX_FILE = ".metadata"
+# The backends megacispo.checkpoint.dcp_load reads, as metadata.json names them.
+MEGATRON_BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
 _STEP_DIR = re.compile(r"step_(\d+)")
 # The model fields that fix a checkpoint's tensor keys and shapes. The others (RoPE base, norm
 # epsilons, residual factors, router top-k, ...) leave the tensors as they are, and a run may change them.
@@ -67,6 +73,14 @@ OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: the message names the file and what is wrong with it. A
     ValueError, which the entry points print as one ``error:`` line."""
+
+
+def refused_error(file: Path | str, refused: RefusedPickle) -> CheckpointError:
+    """The CheckpointError for a pickle in ``file`` that megacispo.checkpoint.unpickling refused."""
+    return CheckpointError(
+        f"{file} is refused: loading it would call {refused.name}, and a checkpoint may hold only tensors, plain "
+        f"values and torch DCP's index (nothing of it ran); load only checkpoints from a source you trust (README: "
+        f"What a checkpoint may contain)")
 
 
 def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
@@ -434,6 +448,25 @@ def save_checkpoint(
         temporary.mkdir()
     _barrier()
 
+    try:
+        _write_files(sharded_state, temporary, rank)
+        if rank == 0:
+            write_meta(temporary, meta)
+    except BaseException as error:
+        # What the save wrote is never read, and may be what filled the disk.
+        shutil.rmtree(temporary, ignore_errors=True)
+        if isinstance(error, (OSError, RuntimeError, CheckpointException)):
+            raise _save_error(step, temporary, error) from None
+        raise
+    if rank == 0:
+        publish_directory(temporary, final, TEMP_PREFIX)
+        if keep_last is not None:
+            _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _write_files(sharded_state: dict[str, Any], temporary: Path, rank: int) -> None:
     # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core import dist_checkpointing
 
@@ -444,13 +477,28 @@ def save_checkpoint(
         torch.save(capture_rng(), file)
         flush_to_disk(file)
     _barrier()
-    if rank == 0:
-        write_meta(temporary, meta)
-        publish_directory(temporary, final, TEMP_PREFIX)
-        if keep_last is not None:
-            _prune(root, keep_last)
-    _barrier()
-    return final
+
+
+# Below this much space left, a failed write is taken for a full disk: torch.save's writer reports one
+# as "unexpected pos" (inline_container.cc), without the errno.
+_FULL_DISK_BYTES = 16 * 1024**2
+
+
+def _save_error(step: int, temporary: Path, error: BaseException) -> CheckpointError:
+    """The CheckpointError of a save that failed: a full disk named as such (by errno, or by the space
+    left where torch's writer gives no errno), anything else by its first line."""
+    usage = shutil.disk_usage(temporary.parent)
+    full = getattr(error, "errno", None) == errno.ENOSPC or usage.free < _FULL_DISK_BYTES
+    if full:
+        problem = f"No space left on device ({usage.free / 1024**2:.0f} MiB free of {usage.total / 1024**3:.1f} GiB)"
+        fix = "free space there, or set train.run_dir on a larger disk, then continue with --resume"
+    else:
+        failures = getattr(error, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else error
+        problem = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        fix = "fix the cause, then continue with --resume"
+    return CheckpointError(f"saving step {step} under {temporary.parent} failed: {problem}; its partial files were "
+                           f"removed: {fix}")
 
 
 def checkpoint_meta(step: int, *, has_optimizer: bool, scheduler_state: dict | None, extra_state: dict,
@@ -613,14 +661,35 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _check_megatron_files(path: Path) -> None:
-    """Megatron's metadata.json and common.pt read back. Every rank reads them before the shards:
-    checked here, their damage is found before anything is built, like a missing file."""
+    """Megatron's metadata.json, common.pt and torch DCP's index read back, the two pickles as
+    megacispo.checkpoint.unpickling allows. Every rank reads them before the shards: checked here,
+    their damage, or code planted in them, is found before anything is built, like a missing file."""
     config = path / MEGATRON_CONFIG_FILE
     try:
-        json.loads(config.read_text())
+        backends = json.loads(config.read_text())
     except ValueError as error:  # not JSON, or not UTF-8
         raise CheckpointError(f"{config} does not read back ({error}): the checkpoint is damaged") from None
-    common = path / MEGATRON_COMMON_FILE
+    found = {key: backends.get(key) for key in MEGATRON_BACKENDS} if isinstance(backends, dict) else backends
+    if found != MEGATRON_BACKENDS:
+        raise CheckpointError(f"{config} records {found}; megacispo loads Megatron checkpoints saved as "
+                              f"{MEGATRON_BACKENDS} (dist_checkpointing.save's default): save it again in that format")
+    _check_archive(path / MEGATRON_COMMON_FILE)
+    _unpickle_checked(path / DCP_INDEX_FILE, read_dcp_metadata)
+
+
+def _unpickle_checked(file: Path, read: Callable[[Path], Any]) -> None:
+    """``read(file)``: a refused pickle or a damaged one reported as a CheckpointError naming ``file``."""
+    try:
+        read(file)
+    except RefusedPickle as refused:
+        raise refused_error(file, refused) from None
+    except Exception as error:  # noqa: BLE001 - whatever a damaged pickle raises, it is reported as damage
+        raise CheckpointError(f"{file} does not read back ({type(error).__name__}): the checkpoint is "
+                              f"damaged") from None
+
+
+def _check_archive(common: Path) -> None:
+    """common.pt is intact and holds only what torch's weights-only unpickler reads."""
     try:
         with zipfile.ZipFile(common) as archive:
             # torch.save writes a zip archive with CRC-32 checksums, which torch.load does not check.
@@ -630,6 +699,7 @@ def _check_megatron_files(path: Path) -> None:
     if damaged_member:
         raise CheckpointError(f"{common} is not the archive torch.save wrote ({damaged_member}): the checkpoint "
                               f"is damaged")
+    _unpickle_checked(common, load_weights_only)
 
 
 def check_model(path: str | os.PathLike, model) -> None:
@@ -686,6 +756,11 @@ def load_checkpoint(
     rng_state = _read_rng(path) if load_rng and same_layout else None
 
     loaded = _read_shards(path, _sharded_state_dict(model, optimizer, is_loading=True))
+    # Megatron-Core on first use: the train dry run imports this module and must import none of it.
+    from megacispo.checkpoint import dcp_load
+
+    # Each rank holds its own piece of the weights: they agree before any rank goes on.
+    _raise_agreed(dcp_load.non_finite_weight(loaded["model"], path))
     _unwrap(model).load_state_dict(loaded["model"])
     if optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
@@ -708,10 +783,17 @@ def _read_rng(path: Path) -> dict[str, Any]:
     the load's collectives: one rank failing alone would leave the others waiting in them."""
     rng_file = _rng_file(path, _rank())
     try:
-        # Checkpoints are untrusted files: tensors and plain containers only.
-        state, failure = torch.load(rng_file, weights_only=True), None
+        state, failure = load_weights_only(rng_file), None
+    except RefusedPickle as refused:
+        state, failure = None, str(refused_error(rng_file, refused))
     except Exception as error:  # noqa: BLE001 - whatever a damaged file raises, it is reported as damage
         state, failure = None, f"{rng_file} does not read back ({type(error).__name__}): the checkpoint is damaged"
+    _raise_agreed(failure)
+    return state
+
+
+def _raise_agreed(failure: str | None) -> None:
+    """CheckpointError on every rank when any rank has a ``failure`` (the first rank's, which rank 0 prints)."""
     failures = [failure]
     if torch.distributed.is_initialized():
         failures = [None] * _world_size()
@@ -719,20 +801,25 @@ def _read_rng(path: Path) -> dict[str, Any]:
     first = next((text for text in failures if text), None)
     if first:
         raise CheckpointError(first)
-    return state
 
 
 def _read_shards(path: Path, sharded_state: dict[str, Any]) -> dict[str, Any]:
-    """``dist_checkpointing.load``, a shard that does not read back reported as a CheckpointError.
-    torch DCP gathers the failures of the ranks' readers and raises them on every rank, so every rank
-    raises it; rank 0, which prints it, names the damaged file."""
+    """megacispo.checkpoint.dcp_load's load, a shard that does not read back, or a pickle refused,
+    reported as a CheckpointError. torch DCP gathers the failures of the ranks' readers and raises
+    them on every rank, so every rank raises it; rank 0, which prints it, names the damaged file."""
     # Megatron-Core on first use: the train dry run imports this module and must import none of it.
-    from megatron.core import dist_checkpointing
+    from megacispo.checkpoint import dcp_load
 
     try:
-        return dist_checkpointing.load(sharded_state, str(path))
+        return dcp_load.load(sharded_state, path)
+    except RefusedPickle as refused:  # common.pt, read by every rank alike
+        raise refused_error(path / MEGATRON_COMMON_FILE, refused) from None
     except CheckpointException as error:  # a BaseException, which `except Exception` would let through
         failure = next(iter(error.failures.values()))[0]
+        if isinstance(failure, dcp_load.RefusedRecord):
+            raise refused_error(path / failure.where, failure) from None
+        if isinstance(failure, RefusedPickle):
+            raise refused_error(path / DCP_INDEX_FILE, failure) from None
         damaged = _damaged_record(path) if _rank() == 0 else None
         if damaged:
             raise CheckpointError(f"{damaged} does not load ({type(failure).__name__}): the checkpoint is "
@@ -756,10 +843,10 @@ def _damaged_record(path: Path) -> str | None:
     record zeroed or overwritten at either end, not damage confined to a tensor's bytes."""
 
     try:
-        # torch DCP's own reading of its index (.metadata), which the failed load has just done.
-        records = FileSystemReader(str(path)).read_metadata().storage_data.values()
+        # The reading of the index that the failed load has just done.
+        records = read_dcp_metadata(path / DCP_INDEX_FILE).storage_data.values()
     except Exception:  # noqa: BLE001 - the index itself is damaged
-        return str(path / ".metadata")
+        return str(path / DCP_INDEX_FILE)
     for record in sorted(records, key=lambda record: (record.relative_path, record.offset)):
         shard = path / record.relative_path
         with open(shard, "rb") as file:

@@ -22,6 +22,9 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SAFETENSORS_DTYPE_OF = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+# What config.json says of transformers' MiniMax (save_pretrained and megatron-to-hf write both).
+HF_MODEL_TYPE = "minimax"
+HF_ARCHITECTURE = "MiniMaxForCausalLM"
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -44,17 +47,35 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
     return not (path / META_FILE).is_file() and any((path / name).is_file() for name in marks)
 
 
-def hf_model_config(path: str | os.PathLike) -> HybridModelConfig:
-    """The model that the HF directory's config.json describes; ValueError naming the file."""
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The HF directory's config.json, checked to be transformers' MiniMax (HF_MODEL_TYPE, and
+    HF_ARCHITECTURE where it names architectures) before anything else of it is read: another
+    model's config.json would otherwise fail later on a field MiniMax has and it lacks."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(f"{Path(path)}: it has no {CONFIG_FILE}; pass a Hugging Face model directory.")
+    config = read_json(config_path)
+    model_type, architectures = config.get("model_type"), config.get("architectures")
+    if model_type != HF_MODEL_TYPE or architectures not in (None, [HF_ARCHITECTURE]):
+        raise ValueError(
+            f"{config_path} describes model_type {model_type!r} with architectures {architectures!r}: megacispo reads "
+            f"MiniMax checkpoints as transformers saves them (model_type {HF_MODEL_TYPE!r}, architectures "
+            f"[{HF_ARCHITECTURE!r}]); pass one (for an original MiniMax-Text-01 / M1 release, rewrite its "
+            f"config.json as a transformers MiniMaxConfig)."
+        )
+    return config
+
+
+def hf_model_config(path: str | os.PathLike, *, rotary_dim: int | None = None) -> HybridModelConfig:
+    """The model that the HF directory's config.json describes (``rotary_dim``: as
+    hf_names.config_from_hf takes it); ValueError naming the file."""
+    config = read_hf_config(path)
     try:
-        return hf_names.config_from_hf(read_json(config_path))
+        return hf_names.config_from_hf(config, rotary_dim=rotary_dim)
     except (TypeError, ValueError) as error:
         # A missing field reaches config_from_hf as None: TypeError (layer_types) or a model.* ValueError.
-        raise ValueError(f"{config_path} does not describe a MiniMax model ({error}): fix it or download it "
-                         f"again.") from None
+        raise ValueError(f"{Path(path) / CONFIG_FILE} does not describe a MiniMax model ({error}): fix it or "
+                         f"download it again.") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from megacispo.checkpoint import hf_reader
 from megacispo.checkpoint.distributed import CheckpointError, load_checkpoint, sharded_metadata, weights_checkpoint
-from megacispo.checkpoint.formats import SAFETENSORS_DTYPE_OF, dtype_name, is_hf_directory
+from megacispo.checkpoint.formats import dtype_name, is_hf_directory
 from megacispo.checkpoint.to_hf import write_hf_files
 from megacispo.files import staged_directory
 from megacispo.models import hf_names
@@ -65,18 +65,12 @@ def model_tensor_shapes(config: HybridModelConfig) -> dict[str, tuple[int, ...]]
 def check_hf_checkpoint(path: str | os.PathLike, config: HybridModelConfig) -> None:
     """Before any model is built: the HF directory at ``path`` has its config.json and readable
     safetensors holding every tensor of ``config``'s model with its shape, and no other (the
-    derived lightning decay buffers aside). Reads headers only. ValueError naming the tensor and
+    derived lightning decay buffers aside), in a dtype megacispo reads. Reads headers only
+    (hf_reader.check_hf_tensors, as the converter checks them). ValueError naming the tensor and
     the file."""
     checkpoint = hf_reader.read_hf_checkpoint(path)
     mappings = hf_names.tensor_mappings(config, hf_names.detect_experts_layout(checkpoint.file_of))
-    hf_reader.check_no_unknown_tensors(checkpoint, mappings)
-    hf_reader.check_hf_shapes(checkpoint, mappings, model_tensor_shapes(config))
-    for name in (name for mapping in mappings for name in mapping.hf_names):
-        if checkpoint.dtype_of[name] not in SAFETENSORS_DTYPE_OF:
-            raise ValueError(
-                f"HF tensor {name} in {checkpoint.path_of(name)} is {checkpoint.dtype_of[name]}: megacispo reads "
-                f"{sorted(SAFETENSORS_DTYPE_OF)}; convert the checkpoint to one of them."
-            )
+    hf_reader.check_hf_tensors(checkpoint, mappings, model_tensor_shapes(config))
 
 
 def hf_params_dtype_name(path: str | os.PathLike) -> str:
@@ -89,8 +83,10 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     """Fill this rank's piece of ``model`` (a HybridModel, or a DDP wrapper of one) from the HF
     directory ``hf_dir``; every rank calls it after building its model piece. Each tensor of the
     model's sharded state dict gets the region of its global tensor that it holds, read from the
-    HF tensors (one expert at a time for the stacked experts) and cast to the parameter's dtype.
-    ``check_hf_checkpoint`` has checked the directory before the model was built."""
+    HF tensors (one expert at a time for the stacked experts), checked to be finite and cast to the
+    parameter's dtype: CheckpointError on every rank, naming the tensor and the file, when one
+    rank's piece holds a NaN or an infinity. ``check_hf_checkpoint`` has checked the directory
+    before the model was built."""
     # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -105,6 +101,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     sharded_state = module.sharded_state_dict(metadata=sharded_metadata())
     # Factories (each expert's SwiGLU halves) build views of the parameters they split.
     apply_factories(sharded_state)
+    damaged = None
     for value in nested_values(sharded_state):
         if not isinstance(value, ShardedTensor):
             continue  # Megatron's extra-state objects: no weights
@@ -114,7 +111,23 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
         # The prepended (expert) axes are size-1 dimensions of the region, as convert's chunks have them.
         sizes = (1,) * value.prepend_axis_num + tuple(value.local_shape)
         chunk = hf_reader.Chunk(value.key, tuple(value.global_shape), tuple(value.global_offset), sizes, value.dtype)
-        value.data.copy_(source.read(chunk).reshape(value.data.shape))
+        try:
+            value.data.copy_(source.read(chunk).reshape(value.data.shape))
+        except CheckpointError as error:
+            damaged = error
+            break
+    _raise_on_every_rank(damaged)
+
+
+def _raise_on_every_rank(error: CheckpointError | None) -> None:
+    """Each rank reads only its piece (its layers, its experts), so one rank alone may find a damaged
+    tensor: every rank raises the first such rank's CheckpointError, which the entry points expect
+    of every rank alike (rank 0 prints it)."""
+    messages = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(messages, None if error is None else str(error))
+    found = next((message for message in messages if message is not None), None)
+    if found is not None:
+        raise CheckpointError(found)
 
 
 def check_start_weights(field: str, path: str | os.PathLike, config: HybridModelConfig) -> None:

@@ -1,6 +1,8 @@
-"""Reading a Hugging Face MiniMax directory: its tensors' files, shapes and dtypes from the headers,
-checked against the model before anything is written or built, and each tensor (or the region of one
-of ours that a chunk covers) read with exactly the bytes it needs."""
+"""Reading a Hugging Face MiniMax directory: its config.json and its tensors' files, shapes and dtypes
+from the headers, checked against the model before anything is written or built
+(``check_hf_tensors``, which the converter and the run-time loader share), and each tensor (or the
+region of one of ours that a chunk covers) read with exactly the bytes it needs and checked to be
+finite."""
 
 from __future__ import annotations
 
@@ -13,8 +15,15 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megacispo.checkpoint.formats import CONFIG_FILE, INDEX_FILE, SAFETENSORS_DTYPE_OF, SINGLE_FILE, read_json
-from megacispo.checkpoint.streaming import TensorMeter, nbytes
+from megacispo.checkpoint.formats import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SAFETENSORS_DTYPE_OF,
+    SINGLE_FILE,
+    read_hf_config,
+    read_json,
+)
+from megacispo.checkpoint.streaming import TensorMeter, check_finite, nbytes
 from megacispo.models.config import PARAMS_DTYPES
 from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY, FUSED
 
@@ -39,16 +48,14 @@ class HFCheckpoint:
 
 
 def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
-    """config.json and each tensor's file, shape and dtype; checks that every listed file exists
-    and that the index names only tensors its files hold. Reads headers only, no tensor data."""
+    """config.json (checked to be MiniMax's first: formats.read_hf_config) and each tensor's file,
+    shape and dtype; checks that every listed file exists and that the index names only tensors its
+    files hold. Reads headers only, no tensor data."""
 
     directory = Path(hf_dir)
     if not directory.is_dir():
         raise ValueError(f"{directory}: no such directory; pass a Hugging Face model directory.")
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(f"{directory}: it has no {CONFIG_FILE}; pass a Hugging Face model directory.")
-    config = read_json(config_path)
+    config = read_hf_config(directory)
     index_path = directory / INDEX_FILE
     if index_path.is_file():
         weight_map = read_json(index_path).get("weight_map")
@@ -109,21 +116,19 @@ class HFTensorReader:
         return self.headers[file_name]
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The tensor, or only its slice [index] along the first axis."""
+        """The tensor, or only its slice [index] along the first axis; CheckpointError
+        (streaming.check_finite) when it holds a NaN or an infinity. Its dtype was checked with
+        the headers (``check_hf_tensors``)."""
         file_name = self.checkpoint.file_of[name]
         data_start, header = self._header(file_name)
         entry = header[name]
-        if entry["dtype"] not in SAFETENSORS_DTYPE_OF:
-            raise ValueError(
-                f"HF tensor {name} in {self.checkpoint.path_of(name)} is {entry['dtype']}: the converter reads "
-                f"{sorted(SAFETENSORS_DTYPE_OF)}."
-            )
+        dtype = SAFETENSORS_DTYPE_OF[entry["dtype"]]
         shape, start = tuple(entry["shape"]), entry["data_offsets"][0]
         if index is not None:
             shape = shape[1:]
-            start += index * nbytes(shape, SAFETENSORS_DTYPE_OF[entry["dtype"]])
+            start += index * nbytes(shape, dtype)
         # On the host: the file is read into its bytes through numpy.
-        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPE_OF[entry["dtype"]], device="cpu")
+        tensor = torch.empty(shape, dtype=dtype, device="cpu")
         if self.meter is not None:
             self.meter.track(tensor)
         with open(self.checkpoint.path_of(name), "rb") as file:
@@ -131,7 +136,22 @@ class HFTensorReader:
             # Into the tensor's own bytes, as uint8 (numpy has no bfloat16); little-endian host.
             if file.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != tensor.nbytes:
                 raise ValueError(f"{self.checkpoint.path_of(name)} ends inside tensor {name}: the file is truncated.")
+        check_finite(name if index is None else f"{name} (expert {index})", tensor, self.checkpoint.path_of(name))
         return tensor
+
+
+def check_hf_tensors(checkpoint: HFCheckpoint, mappings: list, global_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Before any tensor is read: the HF tensors are exactly the model's (``mappings``; derived
+    decay buffers aside), with its shapes (``global_shapes``, by our key) and in a dtype megacispo
+    reads. ValueError naming the tensor and the file."""
+    check_no_unknown_tensors(checkpoint, mappings)
+    check_hf_shapes(checkpoint, mappings, global_shapes)
+    for name in (name for mapping in mappings for name in mapping.hf_names):
+        if checkpoint.dtype_of[name] not in SAFETENSORS_DTYPE_OF:
+            raise ValueError(
+                f"HF tensor {name} in {checkpoint.path_of(name)} is {checkpoint.dtype_of[name]}: megacispo reads "
+                f"{sorted(SAFETENSORS_DTYPE_OF)}; convert the checkpoint to one of them."
+            )
 
 
 def check_no_unknown_tensors(checkpoint: HFCheckpoint, mappings: list) -> None:

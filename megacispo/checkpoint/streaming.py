@@ -1,15 +1,23 @@
 """What both directions of the checkpoint converter share: the meter of the bytes it holds, tensor
-sizes, torch.distributed.checkpoint in one process, and the rule that it never overwrites."""
+sizes, torch.distributed.checkpoint in one process, the rule that it never overwrites, and the
+check that every weight read from a checkpoint is finite (``check_finite``, which every load of
+weights calls: converting, training, evaluating and scoring)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 from pathlib import Path
 from typing import Iterator
 
 import torch
+
+from megacispo.checkpoint.distributed import CheckpointError
+
+# check_finite looks at this many elements at a time: its temporary stays 16 MiB whatever the tensor.
+FINITE_CHECK_ELEMENTS = 1 << 24
 
 
 class TensorMeter:
@@ -62,3 +70,21 @@ def nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
 def check_new(out: Path) -> None:
     if out.exists():
         raise ValueError(f"--out {out} already exists: choose a new directory (the converter never overwrites).")
+
+
+def check_finite(name: str, tensor: torch.Tensor, source: str | os.PathLike) -> None:
+    """CheckpointError naming the tensor ``name`` and the file ``source`` it was read from when
+    ``tensor`` holds a NaN or an infinity: a model with one computes NaN everywhere downstream, and
+    nothing else would notice before the metrics (or an optimizer assertion) turn meaningless."""
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), FINITE_CHECK_ELEMENTS):
+        if bool(torch.isfinite(flat[start : start + FINITE_CHECK_ELEMENTS]).all()):
+            continue
+        bad = ~torch.isfinite(flat)
+        first = int(bad.nonzero()[0, 0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape))
+        raise CheckpointError(
+            f"tensor {name} in {source} is not finite: NaN or inf in {int(bad.sum())} of its {flat.numel()} values "
+            f"(the first, {flat[first].item()}, at index {list(index)}): the weights are damaged; use an intact copy "
+            f"of the checkpoint (download or export it again)."
+        )

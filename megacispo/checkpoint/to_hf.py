@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from megacispo.checkpoint.distributed import params_dtype_of, read_meta, resolve_checkpoint
 from megacispo.checkpoint.formats import CONFIG_FILE, INDEX_FILE, SAFETENSORS_DTYPES
-from megacispo.checkpoint.streaming import TensorMeter, check_new, nbytes, single_process_dcp
+from megacispo.checkpoint.streaming import TensorMeter, check_finite, check_new, nbytes, single_process_dcp
+from megacispo.checkpoint.unpickling import CheckpointReader
 from megacispo.files import staged_directory
 from megacispo.models import hf_names
 from megacispo.models.config import HybridModelConfig
@@ -61,12 +62,7 @@ class CheckpointTensorReader:
     """Regions of the tensors of a torch_dist checkpoint directory, read one at a time."""
 
     def __init__(self, directory: Path, meter: TensorMeter | None = None):
-        # Megatron-Core on first use: the dry runs import this module (the export) and must import none of it.
-        from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
-            CachedMetadataFileSystemReader,
-        )
-
-        self.storage_reader = CachedMetadataFileSystemReader(directory)
+        self.storage_reader = CheckpointReader(directory)
         self.metadata = self.storage_reader.read_metadata()
         self.meter = meter
 
@@ -87,6 +83,8 @@ class CheckpointTensorReader:
         with single_process_dcp():
             dcp.load({}, storage_reader=self.storage_reader, planner=RegionLoadPlanner(key, offsets, destination),
                      no_dist=True)
+        if destination.is_floating_point():
+            check_finite(key, destination, self.storage_reader.path)
         return destination
 
 

@@ -34,9 +34,11 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlan
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -47,18 +49,19 @@ from tqdm import tqdm
 from megacispo.checkpoint.distributed import (
     MEGATRON_COMMON_FILE,
     MEGATRON_CONFIG_FILE,
+    CheckpointError,
     checkpoint_dir,
     checkpoint_meta,
     sharded_metadata,
     write_meta,
 )
-from megacispo.checkpoint.formats import dtype_name
+from megacispo.checkpoint.formats import dtype_name, hf_model_config
+from megacispo.checkpoint.hf import model_tensor_shapes
 from megacispo.checkpoint.hf_reader import (
     Chunk,
     HFChunkSource,
     HFTensorReader,
-    check_hf_shapes,
-    check_no_unknown_tensors,
+    check_hf_tensors,
     hf_params_dtype,
     read_hf_checkpoint,
 )
@@ -147,6 +150,15 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return self.read(self.chunk_of[dataclasses.replace(write_item.index, index=None)])
 
 
+class IndexWriter(FileSystemWriter):
+    """torch DCP's file writer, recording its directory in the index as a str, as Megatron's writer
+    does: torch's records a pathlib.Path, which the checkpoint readers' restricted unpickler
+    (megacispo.checkpoint.unpickling) refuses."""
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=str(self.checkpoint_id), save_id=self.save_id)
+
+
 def _parts(chunks: list[Chunk], part_bytes: int) -> Iterator[list[Chunk]]:
     """Consecutive chunks in groups of at most part_bytes (a larger chunk alone)."""
     part, size = [], 0
@@ -178,8 +190,14 @@ def write_distributed_checkpoint(
             # Serial writes (per_thread_copy_ahead 0): no tensor is resolved before the writer needs it.
             writer = FileSystemWriter(part_dir, thread_count=1, per_thread_copy_ahead=0)
             planner = ChunkSavePlanner(part, objects if number == 0 else {}, read)
-            with single_process_dcp():
-                metadata = dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            try:
+                with single_process_dcp():
+                    metadata = dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            except CheckpointException as error:  # a BaseException: what resolve_data raised, wrapped
+                failure = next(iter(error.failures.values()))[0]
+                if isinstance(failure, CheckpointError):  # a non-finite tensor, named by the reader
+                    raise failure from None
+                raise
             file_names = {info.relative_path for info in metadata.storage_data.values()}
             assert len(file_names) == 1, file_names
             file_name = f"__0_{number}.distcp"
@@ -203,7 +221,7 @@ def write_distributed_checkpoint(
             covered = sum(nbytes(chunk.sizes, torch.uint8) for chunk in value.chunks)
             assert covered == nbytes(value.size, torch.uint8), f"{key}: the chunks do not cover the tensor"
     merged = dataclasses.replace(metadata, state_dict_metadata=state_dict_metadata, planner_data=None)
-    FileSystemWriter(directory).finish(merged, [results])
+    IndexWriter(directory).finish(merged, [results])
 
 
 def _write_megatron_files(directory: Path) -> None:
@@ -254,20 +272,19 @@ def hf_to_megatron(
 
     out = Path(out)
     check_new(out)
+    # The checks train.load makes of an HF directory (config.json first, then the tensors' headers).
     try:
         checkpoint = read_hf_checkpoint(hf_dir)
+        config = hf_model_config(hf_dir, rotary_dim=rotary_dim)
+        layout = hf_names.detect_experts_layout(checkpoint.file_of)
+        mappings = hf_names.tensor_mappings(config, layout)
+        check_hf_tensors(checkpoint, mappings, model_tensor_shapes(config))
     except ValueError as error:
-        raise ValueError(f"--hf-dir {error}") from None
-    config = hf_names.config_from_hf(checkpoint.config, rotary_dim=rotary_dim)
+        raise ValueError(f"--hf-dir: {error}") from None
     parallel = _layout_parallel_config(config, tp, pp, ep, etp)
-    layout = hf_names.detect_experts_layout(checkpoint.file_of)
-    mappings = hf_names.tensor_mappings(config, layout)
-    check_no_unknown_tensors(checkpoint, mappings)
     params_dtype = hf_params_dtype(checkpoint, dtype)
     chunks, objects = checkpoint_contents(config, params_dtype)
-    global_shapes = {chunk.key: chunk.global_shape for chunk in chunks}
-    assert global_shapes.keys() == {mapping.key for mapping in mappings}, "hf_names and the model disagree"
-    check_hf_shapes(checkpoint, mappings, global_shapes)
+    assert {chunk.key for chunk in chunks} == {mapping.key for mapping in mappings}, "hf_names and the model disagree"
 
     source = HFChunkSource(HFTensorReader(checkpoint, meter), mappings, layout, params_dtype)
     step_name = checkpoint_dir(out, CONVERTED_STEP).name

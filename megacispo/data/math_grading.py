@@ -10,7 +10,8 @@ integer inside one bignum call, and no signal reaches Python until it returns (s
 its verdict and kills it when it is late (SIGKILL stops C code too); the answer counts as not equal
 and a fresh worker starts at once.
 
-The worker imports math-verify and nothing of megacispo (no torch), so it starts in about a second.
+The worker imports math-verify and of megacispo only megacispo.lifeline (no torch), so it starts in
+about a second.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from megacispo.lifeline import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +76,14 @@ def _limit_cpu() -> None:
 
 def serve() -> None:
     """The worker: one JSON line ``[predicted, reference]`` in on stdin, one verdict line out."""
+    die_with_parent(int(sys.argv[1]))
     # math-verify warns once that its timeouts are off: they are, on purpose (see answers_match).
     for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    # Ctrl-C reaches the whole process group; the parent decides when this worker ends (stdin closes).
+    # Ctrl-C and torchrun's SIGTERM reach the whole process group; the parent decides when this worker
+    # ends (stdin closes, or it is killed), after its own orderly stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
     # Whatever a library prints goes to stderr, never into the replies.
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -140,7 +146,7 @@ class MathGrader:
         package_root = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "megacispo.data.math_grading"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            [sys.executable, "-m", "megacispo.data.math_grading", str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
         self._ready = False
 
@@ -166,11 +172,16 @@ class MathGrader:
 
     def _stop(self) -> None:
         if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-            self._process.stdin.close()
-            self._process.stdout.close()
+            stop_worker(self._process)
             self._process = None
+
+
+def stop_worker(process: subprocess.Popen) -> None:
+    """Kill a worker process that talks over its stdin and stdout, and close both."""
+    process.kill()
+    process.wait()
+    process.stdin.close()
+    process.stdout.close()
 
 
 _grader = MathGrader()

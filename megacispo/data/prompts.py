@@ -501,6 +501,13 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; it must come from a sampler over the same records and seed."""
+        self.check_state(state)
+        self._epoch = state["epoch"]
+        self._position = state["position"]
+        self._order = self._epoch_order(self._epoch)
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """ValueError unless ``state`` is a position of a sampler over these records with this seed."""
         expected = {"seed": self._seed, "num_records": len(self._records), "fingerprint": self._fingerprint}
         for key, value in expected.items():
             if state.get(key) != value:
@@ -515,6 +522,3 @@ class PromptSampler:
                 f"sampler state has epoch={epoch!r}, position={position!r}; expected epoch >= 0 and "
                 f"0 <= position <= {len(self._records)}: the checkpoint is corrupt"
             )
-        self._epoch = epoch
-        self._position = position
-        self._order = self._epoch_order(epoch)

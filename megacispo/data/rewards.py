@@ -7,22 +7,40 @@ registered name (``exact_match``, ``numeric``, ``boxed_math``) or a user functio
 
 A reward is a number: a float or an int, a bool (True is 1.0, as ``float(response == answer)``
 would be) or a numpy or torch scalar. A string is not, even "1.0": it is a failure, like a raise,
-NaN or infinity. A sample whose reward fails gets rl.failure_reward; a step whose samples fail
-more often than rl.max_reward_failure_frac stops the run (``RewardFailureError``).
+NaN or infinity, or a number float32 cannot hold (the advantages' dtype: over 3.4e38). A sample
+whose reward fails gets rl.failure_reward; a step whose samples fail more often than
+rl.max_reward_failure_frac stops the run (``RewardFailureError``).
+
+A run calls its reward with a time limit (``score_responses(..., timeout_s=rl.reward_timeout_s)``): in
+a worker process, one per reward function and process, which is SIGKILLed when a call is late (a
+signal cannot stop a call stuck in C code; SIGKILL can) and replaced, the late call counting as a
+failure. A batch travels to the worker in one message and each verdict comes back as it is made, so a
+call costs the worker a few microseconds more than in-process. The wait for a verdict looks every
+``POLL_S`` whether its caller was told to stop (SIGTERM: ``ScoringInterrupted``).
 """
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import math
+import os
+import pickle
 import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable, Sequence
 
-from megacispo.data.math_grading import math_equal
+from megacispo.data.math_grading import math_equal, stop_worker
 from megacispo.data.prompts import PromptRecord
+from megacispo.lifeline import die_with_parent
 from megacispo.plugins import import_object
 
 logger = logging.getLogger(__name__)
@@ -40,6 +58,14 @@ NUMERIC_TOLERANCE = Decimal("1e-6")
 # logged in full (a broken verifier fails on every sample; one line per sample would flood the log).
 LOG_TRUNCATE_CHARS = 200
 MAX_LOGGED_FAILURES = 3
+
+# The largest float32 (the advantages' dtype): a reward beyond it would become infinity there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+POLL_S = 0.1
+"""How often a wait for a reward worker looks whether its caller was told to stop."""
+WORKER_STARTUP_TIMEOUT_S = 120.0
+"""The most a reward worker may take to import the reward's module (and torch, for the records)."""
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -239,6 +265,9 @@ def _score_one(reward_fn: RewardFn, response: str, record: PromptRecord) -> tupl
     # A NaN or inf reward would poison every advantage of its group.
     if not math.isfinite(reward):
         return None, f"returned {reward}"
+    if abs(reward) > FLOAT32_MAX:
+        return None, (f"returned {reward}, beyond float32, the dtype of the advantages (at most {FLOAT32_MAX:.3g} "
+                      "in size)")
     return reward, ""
 
 
@@ -259,23 +288,31 @@ def score_responses(
     responses: Sequence[str],
     records: Sequence[PromptRecord],
     failure_reward: float,
+    *,
+    timeout_s: float | None = None,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> RewardScores:
     """Reward every (response, record) pair.
 
     A reward that raises, or returns a non-number or a non-finite value, is logged as a warning
     with the sample's prompt and response (truncated) and scored ``failure_reward``: one bad
-    sample costs its reward, not the run.
+    sample costs its reward, not the run. With ``timeout_s`` the calls run in the reward's worker
+    process (``RewardWorker``), and a call over ``timeout_s`` is such a failure too; while waiting
+    for one, ``interrupted()`` returning True ends the scoring with ``ScoringInterrupted``.
     """
     if len(responses) != len(records):
         raise ValueError(
             f"score_responses got {len(responses)} responses but {len(records)} records; "
             "pass one record per response (repeat each prompt's record for its G samples)"
         )
+    if timeout_s is None:
+        verdicts = [_score_one(reward_fn, response, record) for response, record in zip(responses, records)]
+    else:
+        verdicts = reward_worker(reward_fn).score(list(zip(responses, records)), timeout_s, interrupted)
     rewards = []
     num_failures = 0
     first_failure = ""
-    for response, record in zip(responses, records):
-        reward, failure = _score_one(reward_fn, response, record)
+    for response, record, (reward, failure) in zip(responses, records, verdicts):
         if reward is None:
             num_failures += 1
             reward = failure_reward
@@ -305,3 +342,159 @@ class RewardFailureError(ValueError):
             f"rl.max_reward_failure_frac = {max_failure_frac}; the first: {first_failure}. Fix the reward function "
             "(a reward is a number), or raise rl.max_reward_failure_frac"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker process
+# ---------------------------------------------------------------------------------------------
+
+
+class ScoringInterrupted(Exception):
+    """score_responses stopped waiting for the reward because its caller was told to stop (SIGTERM)."""
+
+
+_LENGTH = struct.Struct("<Q")
+_READY = "ready"
+
+
+def _send(stream, message) -> None:
+    data = pickle.dumps(message)
+    stream.write(_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def serve() -> None:
+    """The worker: the reward function (pickled by reference) first, then batches of (response,
+    record) pairs on stdin; one verdict of ``_score_one`` per pair on stdout, each as it is made."""
+    die_with_parent(int(sys.argv[1]))
+    # Ctrl-C and torchrun's SIGTERM reach the whole process group; the parent decides when this worker
+    # ends (stdin closes, or it is killed), after its own orderly stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    # Whatever the reward prints goes to stderr, never into the replies.
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    requests = sys.stdin.buffer
+    reward_fn = pickle.load(requests)
+    _send(replies, _READY)
+    while True:
+        try:
+            pairs = pickle.load(requests)
+        except EOFError:
+            return
+        for response, record in pairs:
+            _send(replies, _score_one(reward_fn, response, record))
+
+
+class RewardWorker:
+    """The calls of one reward function, in a child process, each within a time limit: a late call's
+    worker is SIGKILLed, the call fails, and a fresh worker takes the rest of the batch."""
+
+    def __init__(self, reward_fn: RewardFn, pickled: bytes):
+        self.name = getattr(reward_fn, "__name__", repr(reward_fn))
+        self._pickled = pickled
+        self._process: subprocess.Popen | None = None
+        self._buffer = b""
+
+    def score(self, pairs: list[tuple[str, PromptRecord]], timeout_s: float,
+              interrupted: Callable[[], bool]) -> list[tuple[float | None, str]]:
+        """The verdict of ``_score_one`` for each pair, in order; ScoringInterrupted when
+        ``interrupted()`` says so while a call is in flight (the worker is then stopped)."""
+        verdicts: list[tuple[float | None, str]] = []
+        while len(verdicts) < len(pairs):
+            process = self._ready_worker(interrupted)
+            pending = pairs[len(verdicts):]
+            try:
+                pickle.dump(pending, process.stdin)
+                process.stdin.flush()
+            except BrokenPipeError:
+                pending = pending[:1]  # the worker died before the batch: its first call counts the crash
+            for _ in pending:
+                verdict = self._receive(timeout_s, interrupted)
+                if verdict is None:
+                    verdicts.append((None, self._late_or_crashed(timeout_s)))
+                    break
+                verdicts.append(verdict)
+        return verdicts
+
+    def close(self) -> None:
+        if self._process is not None:
+            stop_worker(self._process)
+            self._process = None
+            self._buffer = b""
+
+    def _late_or_crashed(self, timeout_s: float) -> str:
+        """Why the call in flight has no verdict; its worker is gone after this."""
+        crashed = self._process.poll() is not None
+        self.close()
+        if crashed:
+            return "crashed its worker process (its error is above)"
+        return f"took over rl.reward_timeout_s = {timeout_s:g} s and was stopped"
+
+    def _ready_worker(self, interrupted: Callable[[], bool]) -> subprocess.Popen:
+        if self._process is not None:
+            return self._process
+        # The parent's import path, so that the worker finds the reward's module as the parent did.
+        path = [entry or os.getcwd() for entry in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", "from megacispo.data.rewards import serve; serve()", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._process.stdin.write(self._pickled)
+        self._process.stdin.flush()
+        if self._receive(WORKER_STARTUP_TIMEOUT_S, interrupted) != _READY:
+            why = "exited (its error is above)" if self._process.poll() is not None else \
+                f"sent nothing for {WORKER_STARTUP_TIMEOUT_S:.0f} s"
+            self.close()
+            raise RuntimeError(
+                f"the worker process of reward {self.name!r} {why} before its first call; check that the reward's "
+                "module imports in a fresh `python -c 'import ...'`"
+            )
+        return self._process
+
+    def _receive(self, timeout_s: float, interrupted: Callable[[], bool]):
+        """The worker's next message; None when it sends none within ``timeout_s`` or has died."""
+        deadline = time.monotonic() + timeout_s
+        stdout = self._process.stdout.fileno()
+        while True:
+            if len(self._buffer) >= _LENGTH.size:
+                (size,) = _LENGTH.unpack_from(self._buffer)
+                if len(self._buffer) >= _LENGTH.size + size:
+                    message = pickle.loads(self._buffer[_LENGTH.size:_LENGTH.size + size])
+                    self._buffer = self._buffer[_LENGTH.size + size:]
+                    return message
+            if interrupted():
+                self.close()
+                raise ScoringInterrupted(f"reward {self.name!r}: scoring stopped by SIGTERM")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            readable, _, _ = select.select([stdout], [], [], min(left, POLL_S))
+            if readable:
+                data = os.read(stdout, 1 << 16)
+                if not data:
+                    return None
+                self._buffer += data
+
+
+_workers: dict[bytes, RewardWorker] = {}
+
+
+def reward_worker(reward_fn: RewardFn) -> RewardWorker:
+    """The worker process of ``reward_fn`` in this process, started at its first batch."""
+    try:
+        pickled = pickle.dumps(reward_fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise ValueError(
+            f"reward {getattr(reward_fn, '__name__', reward_fn)!r} cannot run in a worker process ({error}); define "
+            "it at the top level of a module (rl.reward = 'module:function')"
+        ) from error
+    if pickled not in _workers:
+        _workers[pickled] = RewardWorker(reward_fn, pickled)
+    return _workers[pickled]
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _workers.values():
+        worker.close()

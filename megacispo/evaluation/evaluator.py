@@ -11,12 +11,16 @@ whatever it is batched with.
 
 Sampling is eval.temperature and eval.top_p only: rollout.top_k and early truncation (training
 rollouts' economies) are off, so a response is the model's own; rollout.max_new_tokens bounds it.
+
+Rewards are called within rl.reward_timeout_s each (megacispo.data.rewards). Inside a training run
+the evaluation stops on SIGTERM like a step: ``interrupt`` (the trainer's agreement of the ranks) is
+called before every decode step and after the scoring, and raises to stop it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,18 +74,22 @@ class Evaluator:
     """Greedy and sampled evaluation of ``model`` on ``records`` (the test prompts); call on every rank
     of the model's layout, each with the same records. ``dp_group``: the data-parallel group, over
     which the prompts are split and the ranks decode in lockstep. ``settings``: the eval section;
-    ``rollout``: the generation settings it samples with; ``seed``: train.seed; ``failure_reward``:
-    rl.failure_reward."""
+    ``rollout``: the generation settings it samples with; ``seed``: train.seed; ``failure_reward`` and
+    ``reward_timeout_s``: rl.failure_reward and rl.reward_timeout_s; ``interrupt``: called on every rank
+    at the same points, raises to stop (None: never stops); ``stop_pending``: whether this rank was told
+    to stop, for a reward call in flight."""
 
     def __init__(self, model: HybridModel, tokenizer: Tokenizer, records: Sequence[PromptRecord], reward_fn: RewardFn,
                  dp_group: dist.ProcessGroup, *, settings: EvalConfig, rollout: RolloutConfig, seed: int,
-                 failure_reward: float):
+                 failure_reward: float, reward_timeout_s: float, interrupt: Callable[[], None] | None = None,
+                 stop_pending: Callable[[], bool] = lambda: False):
         self.model = model
         self.tokenizer = tokenizer
         self.records = list(records)
         self.reward_fn = reward_fn
         self.dp_group = dp_group
         self.settings, self.rollout, self.seed, self.failure_reward = settings, rollout, seed, failure_reward
+        self.reward_timeout_s, self.interrupt, self.stop_pending = reward_timeout_s, interrupt, stop_pending
         self.device = run_device()
         # Every DP-th prompt: the ranks' shares differ by one prompt at most.
         self.indices = list(range(dist.get_rank(dp_group), len(self.records), dist.get_world_size(dp_group)))
@@ -120,11 +128,17 @@ class Evaluator:
         keys = sample_keys((self.seed, EVAL_STREAM), decoded, num_samples, device=self.device)
         samples = generate(self.model, [prompt_token_ids(self.tokenizer, record) for record in records], sampling,
                            stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id, keys=keys,
-                           lockstep_group=self.dp_group)
-        if not self.indices:
-            return [], []
-        texts = [response_text(self.tokenizer, samples, row) for row in range(len(records))]
-        rewards = score_responses(self.reward_fn, texts, records, self.failure_reward).rewards
+                           lockstep_group=self.dp_group, interrupt=self.interrupt)
+        try:
+            if not self.indices:
+                return [], []
+            texts = [response_text(self.tokenizer, samples, row) for row in range(len(records))]
+            rewards = score_responses(self.reward_fn, texts, records, self.failure_reward,
+                                      timeout_s=self.reward_timeout_s, interrupted=self.stop_pending).rewards
+        finally:
+            # Every rank, a scoring rank or not: a SIGTERM that stopped one rank's scoring stops them all.
+            if self.interrupt is not None:
+                self.interrupt()
         return [float(reward >= 1.0) for reward in rewards], samples.response_lengths.tolist()
 
 

@@ -40,7 +40,8 @@ def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
     """The metrics of megacispo.evaluation.evaluator on every rank, rewarded by rl.reward."""
     return Evaluator(model, tokenizer, records, get_reward_fn(config.rl.reward), parallel_state.get_data_parallel_group(),
                      settings=config.eval, rollout=config.rollout, seed=config.train.seed,
-                     failure_reward=config.rl.failure_reward).run()
+                     failure_reward=config.rl.failure_reward,
+                     reward_timeout_s=config.rl.reward_timeout_s).run()
 
 
 def run_eval(config: Config, source: WeightsSource, tokenizer: Tokenizer, records: list[PromptRecord]) -> None:

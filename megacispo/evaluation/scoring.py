@@ -1,10 +1,12 @@
 """Per-token log-probabilities of token sequences under a checkpoint, behind the entry point
-megacispo.score: the model built with its weights, each sequence through Megatron's schedule (forward
-only), the records split over the data-parallel ranks and written by rank 0."""
+megacispo.score: the model built with its weights (checked to be finite as they are read), each
+sequence through Megatron's schedule (forward only), the records split over the data-parallel ranks
+and written by rank 0 as strict JSON (``scored_line``)."""
 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import torch
@@ -46,6 +48,21 @@ def _sequence_logprobs(model, tokens: list[int], tp_group) -> torch.Tensor | Non
     return outputs[0]["logprobs"] if outputs else None
 
 
+# The key that lists a record's non-finite log-probs (null in its "logprobs").
+NONFINITE_KEY = "nonfinite_positions"
+
+
+def scored_line(record: dict, logprobs: list[float]) -> str:
+    """``record`` with its "logprobs" as one line of strict JSON (no NaN or Infinity, which JSON lacks).
+    A log-prob that is not finite (an overflow in the forward pass: the weights were checked to be
+    finite) is written as null, and the positions of those are listed under NONFINITE_KEY."""
+    nonfinite = [position for position, value in enumerate(logprobs) if not math.isfinite(value)]
+    scored = {**record, "logprobs": [value if math.isfinite(value) else None for value in logprobs]}
+    if nonfinite:
+        scored[NONFINITE_KEY] = nonfinite
+    return json.dumps(scored, allow_nan=False) + "\n"
+
+
 def score(load: str, out: str, config: HybridModelConfig, parallel: ParallelConfig, records: list[dict],
           params_dtype: str) -> None:
     """Score every record and write --out on rank 0 (every rank calls it, after init_distributed)."""
@@ -74,6 +91,11 @@ def score(load: str, out: str, config: HybridModelConfig, parallel: ParallelConf
     if torch.distributed.get_rank() == 0:
         merged = {index: logprobs for part in gathered for index, logprobs in part.items()}
         assert len(merged) == len(records), "every record is scored by some rank"
-        scored = ({**record, "logprobs": merged[i]} for i, record in enumerate(records))
-        atomic_write_text(out, "".join(json.dumps(record) + "\n" for record in scored))
+        lines = [scored_line(record, merged[i]) for i, record in enumerate(records)]
+        atomic_write_text(out, "".join(lines))
+        nonfinite = sum(not all(map(math.isfinite, logprobs)) for logprobs in merged.values())
+        if nonfinite:
+            warnings.warn(f"{nonfinite} of {len(records)} sequences have non-finite log-probs (NaN or inf in the "
+                          f"model's output): {out} holds null for them, at the positions its {NONFINITE_KEY} lists.",
+                          stacklevel=1)
     torch.distributed.barrier()

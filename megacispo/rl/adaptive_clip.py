@@ -11,6 +11,12 @@ a factor (1 + rate) of the value whose capped fraction is the target, whatever t
 The bounds are the registry's own parameters, so no loss is forked: cispo, dapo and gspo have
 eps_high and eps_low; grpo has one symmetric ``eps``, which the controller moves as eps_high (from
 clip_frac_high) and reports as both bounds, so adapt_low does not apply to it.
+
+A checkpoint keeps the adapted bounds with the loss they were adapted for. A resume applies a saved
+bound only to the same loss's same parameter, when this run adapts it; anything else (another loss,
+a bound this run does not adapt, adaptive clipping off, or a checkpoint that does not name its loss)
+is dropped with one line saying so, and the configured bound applies: CISPO's eps_high of 2.7 is no
+start for GRPO's eps.
 """
 
 from __future__ import annotations
@@ -106,12 +112,59 @@ class AdaptiveClip:
         elif self.names.low is None:
             self.eps_low = self.eps_high
 
-    def state_dict(self) -> dict[str, float]:
-        """The current bounds, plain JSON for a checkpoint's extra_state (floats round-trip exactly)."""
-        return {"eps_high": self.eps_high, "eps_low": self.eps_low}
+    def adapted(self) -> dict[str, float]:
+        """The parameters the controller moves, by the loss's names, with their current values."""
+        bounds = {self.names.high: self.eps_high}
+        if self.adapt_low:
+            bounds[self.names.low] = self.eps_low
+        return bounds
 
-    def load_state_dict(self, state: Mapping[str, float]) -> None:
-        self.eps_high, self.eps_low = float(state["eps_high"]), float(state["eps_low"])
+    def state_dict(self) -> dict[str, object]:
+        """Plain JSON for a checkpoint's extra_state (floats round-trip exactly): the loss and the
+        adapted bounds by parameter name, so that a resume applies them only where they belong."""
+        return {"loss": self.loss_name, "bounds": self.adapted()}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> str | None:
+        """Takes each saved bound that this controller moves for the same loss; a bound saved for
+        another loss or parameter (or by a checkpoint that does not name its loss) is dropped, the
+        configured value stays. Returns the line that says what was dropped and why; None when
+        nothing was."""
+        saved_loss, bounds = state.get("loss"), state.get("bounds", {})
+        if saved_loss is None:
+            legacy = {name: state[name] for name in ("eps_high", "eps_low") if name in state}
+            return (f"the checkpoint's adapted clip bounds ({_listed(legacy)}) do not name the loss they were "
+                    f"adapted for: dropped; the bounds start from rl.loss.params ({_listed(self.adapted())})")
+        if saved_loss != self.loss_name:
+            return (f"the checkpoint's clip bounds were adapted for {saved_loss} ({_listed(bounds)}) and "
+                    f"rl.loss.name = {self.loss_name!r}: dropped; the bounds start from rl.loss.params "
+                    f"({_listed(self.adapted())})")
+        moved = self.adapted()
+        dropped = {name: value for name, value in bounds.items() if name not in moved}
+        if self.names.high in bounds:
+            self.eps_high = float(bounds[self.names.high])
+        if self.names.low is None:
+            self.eps_low = self.eps_high
+        elif self.adapt_low and self.names.low in bounds:
+            self.eps_low = float(bounds[self.names.low])
+        if not dropped:
+            return None
+        return (f"the checkpoint's adapted {_listed(dropped)} dropped: this run adapts only "
+                f"{', '.join(moved)} (rl.adaptive_clip.adapt_low = {str(self.adapt_low).lower()}), so "
+                f"{', '.join(dropped)} stays at rl.loss.params")
+
+
+def restore(controller: AdaptiveClip | None, state: Mapping[str, object]) -> str | None:
+    """A checkpoint's adapted bounds ``state`` into the run's ``controller`` (None: rl.adaptive_clip
+    is off, and the configured bounds apply). Returns the line that says what was dropped and why."""
+    if controller is None:
+        saved = state.get("bounds", state)
+        return (f"the checkpoint's adapted clip bounds ({_listed(saved)}) dropped: rl.adaptive_clip is off, "
+                f"so the loss uses rl.loss.params")
+    return controller.load_state_dict(state)
+
+
+def _listed(bounds: Mapping[str, object]) -> str:
+    return ", ".join(f"{name} = {value:g}" for name, value in bounds.items())
 
 
 def check_bounds(settings: AdaptiveClipConfig, loss: LossConfig, params: Mapping[str, object]) -> None:

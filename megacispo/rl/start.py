@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megacispo.checkpoint.distributed import CheckpointError, check_model, find_checkpoints
+from megacispo.checkpoint.distributed import CheckpointError, check_model, find_checkpoints, read_meta
+from megacispo.checkpoint.formats import META_FILE
 from megacispo.checkpoint.hf import check_start_weights
 from megacispo.config import Config
+from megacispo.data.prompts import PromptRecord, PromptSampler
 
 
 @dataclass
@@ -25,10 +27,10 @@ def checkpoint_root(config: Config) -> Path:
     return Path(config.train.run_dir) / "checkpoints"
 
 
-def check_start(config: Config, resume: bool) -> RunStart:
+def check_start(config: Config, resume: bool, train_records: list[PromptRecord]) -> RunStart:
     """Check the checkpoints a run will read before anything is built: with ``resume`` the run's own
-    (one at least must verify if there are any, and those must hold config.model), else train.load's.
-    CheckpointError naming the file and the fix."""
+    (one at least must verify if there are any, and those must hold config.model and a sampler
+    position over ``train_records``), else train.load's. CheckpointError naming the file and the fix."""
     root = checkpoint_root(config)
     checkpoints = find_checkpoints(root) if resume else {}
     verified = [path for path, problem in checkpoints.items() if problem is None]
@@ -41,6 +43,20 @@ def check_start(config: Config, resume: bool) -> RunStart:
             check_model(path, config.model)
     except CheckpointError as error:
         raise CheckpointError(f"--resume: {error}") from None
+    if verified:
+        _check_sampler(verified[-1], PromptSampler(train_records, seed=config.train.seed))
     if not verified and config.train.load:
         check_start_weights("train.load", config.train.load, config.model)
     return RunStart(resume, checkpoints)
+
+
+def _check_sampler(path: Path, sampler: PromptSampler) -> None:
+    """The checkpoint's sampler position is one over this run's prompts and seed."""
+    try:
+        sampler.check_state(read_meta(path)["extra_state"]["sampler"])
+    except (KeyError, TypeError):
+        raise CheckpointError(f"--resume: {path / META_FILE} records no sampler position (extra_state.sampler): "
+                              f"resume only checkpoints of megacispo.train runs") from None
+    except ValueError as error:
+        raise CheckpointError(f"--resume: {path / META_FILE}: {error} (data.train_prompts, train.seed); or start "
+                              f"afresh in another train.run_dir") from None

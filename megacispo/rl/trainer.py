@@ -10,6 +10,7 @@ the same order: before each step, before every decode step of its rollouts and b
 Up to its updates a step changes nothing a checkpoint holds but the sampler position and the RNG
 states, so a step stopped there is abandoned (those two go back to where it began) and the previous
 step is saved. Once the updates have begun the step finishes and is saved: its weights have moved.
+Before the first step of a fresh run completes nothing is saved: nothing was trained.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from megacispo.training.engine import Engine
 
 # The extra_state key of the adapted clip bounds in a checkpoint.
 ADAPTIVE_CLIP_STATE = "adaptive_clip"
+# What a SIGTERM line says when the stop comes before a fresh run's first step completes.
+NOTHING_TRAINED = "nothing was trained, so nothing was saved"
 
 
 @dataclass
@@ -219,7 +222,10 @@ class Trainer:
                 self._log_evaluation()
             if self.config.train.checkpoint_every and self.step % self.config.train.checkpoint_every == 0:
                 self.save()
-        self.save()
+        # A fresh run stopped before its first step has trained nothing (and the distributed optimizer
+        # holds no state to save before its first step).
+        if self.step > 0:
+            self.save()
         if self.stopped_by_signal:
             return {**accuracy, "after": float("nan")}
         accuracy["after"] = self._log_evaluation()
@@ -306,7 +312,14 @@ class Trainer:
         )
         texts = [response_text(self.tokenizer, samples, row) for row in range(len(prompts))]
         repeated = [r for r in records for _ in range(rollout.group_size)]
-        return samples, score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward)
+        try:
+            scores = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward,
+                                     timeout_s=self.config.rl.reward_timeout_s, interrupted=self._stop_pending)
+        finally:
+            # Every rank agrees here, after scoring: a SIGTERM that stopped one rank's scoring abandons
+            # the step on all of them (ScoringInterrupted gives way to StepAbandoned).
+            self._abandon_if_stopped()
+        return samples, scores
 
     def _shape_rewards(self, samples: Samples, scores: RewardScores, tally: RolloutTally) -> torch.Tensor:
         """The rewards with overlong shaping, counted in ``tally``."""
@@ -524,11 +537,18 @@ class Trainer:
         config = self.config
         return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.reward_fn, self.dp_group,
                          settings=config.eval, rollout=config.rollout, seed=config.train.seed,
-                         failure_reward=config.rl.failure_reward).run()
+                         failure_reward=config.rl.failure_reward, reward_timeout_s=config.rl.reward_timeout_s,
+                         interrupt=self._abandon_if_stopped, stop_pending=self._stop_pending).run()
 
     def _log_evaluation(self, extra: dict[str, float] | None = None) -> float:
-        """Evaluate and log the metrics, with ``extra``, at this step; the greedy accuracy (NaN without it)."""
-        metrics = {**self.evaluate(), **(extra or {})}
+        """Evaluate and log the metrics, with ``extra``, at this step; the greedy accuracy (NaN without it,
+        or when SIGTERM stopped the evaluation: the loop then stops and saves this step)."""
+        try:
+            metrics = {**self.evaluate(), **(extra or {})}
+        except StepAbandoned:
+            if self.logger.enabled:
+                print(f"SIGTERM: the evaluation at step {self.step} stopped; {self._what_is_saved()}", flush=True)
+            return float("nan")
         if metrics:
             self.logger.log(self.step, metrics)
         return metrics.get("eval/accuracy", float("nan"))
@@ -581,10 +601,12 @@ class Trainer:
         self.consumed_samples = extra["consumed_samples"]
         self.num_skipped_updates = extra["num_skipped_updates"]
         # A checkpoint of a run with fixed bounds has none: the adapted bounds then start from the config's.
-        if self.adaptive_clip is not None and ADAPTIVE_CLIP_STATE in extra:
-            self.adaptive_clip.load_state_dict(extra[ADAPTIVE_CLIP_STATE])
+        if ADAPTIVE_CLIP_STATE in extra:
+            dropped = adaptive_clip.restore(self.adaptive_clip, extra[ADAPTIVE_CLIP_STATE])
+            if dropped is not None:
+                self._say(f"--resume: {dropped}")
 
-    def _adaptive_clip_state(self) -> dict[str, dict[str, float]]:
+    def _adaptive_clip_state(self) -> dict[str, dict[str, object]]:
         """The checkpoint's extra_state entry of the adapted bounds; empty when they are fixed."""
         return {} if self.adaptive_clip is None else {ADAPTIVE_CLIP_STATE: self.adaptive_clip.state_dict()}
 
@@ -593,9 +615,17 @@ class Trainer:
         if dist.get_rank() == 0:
             print(line, flush=True)
 
+    def _what_is_saved(self) -> str:
+        """The end of a SIGTERM line: the step the stop saves (``save``)."""
+        return f"saving step {self.step}" if self.step else NOTHING_TRAINED
+
     def _request_stop(self, signum, frame) -> None:
         # Only a flag: the ranks act on it where they agree (_stop_agreed).
         self._stop_requested = True
+
+    def _stop_pending(self) -> bool:
+        """Whether this rank got SIGTERM: what a wait of this rank alone (a reward call) stops for."""
+        return self._stop_requested
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM. The signal reaches ranks at different moments: deciding on
@@ -622,7 +652,7 @@ class Trainer:
             self.sampler.load_state_dict(sampler_state)
             restore_rng(rng_state)
             if self.logger.enabled:
-                print(f"SIGTERM: step {self.step + 1} abandoned before its updates; saving step {self.step}",
+                print(f"SIGTERM: step {self.step + 1} abandoned before its updates; {self._what_is_saved()}",
                       flush=True)
             raise
 

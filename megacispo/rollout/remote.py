@@ -124,8 +124,8 @@ def _generate_share(config: Config, tokenizer, model, reward_fn, bridge: Bridge,
                        keys=sample_keys(request.stream, range(first, first + share), group_size, device=bridge.device))
     repeated = [record for record in records for _ in range(group_size)]
     # One sample at a time: the training ranks count the failures of their own rows.
-    scores = [score_responses(reward_fn, [response_text(tokenizer, samples, row)], [record], config.rl.failure_reward)
-              for row, record in enumerate(repeated)]
+    scores = [score_responses(reward_fn, [response_text(tokenizer, samples, row)], [record], config.rl.failure_reward,
+                              timeout_s=config.rl.reward_timeout_s) for row, record in enumerate(repeated)]
     host = Samples(*(getattr(samples, name).cpu() for name in Samples.__dataclass_fields__))
     return RoundShare(version, host, [s.rewards[0] for s in scores], [s.first_failure if s.num_failures else ""
                                                                         for s in scores])

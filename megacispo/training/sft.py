@@ -19,6 +19,7 @@ from megacispo.config import Config, to_dict
 from megacispo.data.padding import pad_right
 from megacispo.data.prompts import PromptRecord, PromptSampler, SFTBatch, build_sft_example, collate_sft
 from megacispo.data.tokenizer import Tokenizer
+from megacispo.lifeline import start_group_reaper
 from megacispo.metrics.logger import MetricsLogger, format_console_line, is_logging_rank
 from megacispo.parallel.layout import destroy_distributed, init_distributed
 from megacispo.rl.losses import count_loss_tokens, reduce_metrics
@@ -117,6 +118,8 @@ def _pad_to(batch: SFTBatch, length: int, pad_id: int) -> SFTBatch:
 def run_sft(config: Config, tokenizer: Tokenizer, pairs: list[PromptRecord]) -> None:
     """The SFT run of a config checked at start-up: train, save the checkpoint under sft.out."""
     sft = config.sft
+    # Megatron-Core's checkpoint writer starts a Manager process that would outlive a killed rank.
+    start_group_reaper()
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr, decay_steps=sft.decay_steps)
     if sft.load:

@@ -1,5 +1,6 @@
 """rl.adaptive_clip: the controller tracks its target on a synthetic stream of ratios, every data-parallel
-rank takes the same step from the global fraction, and the config refuses what it cannot adapt. A
+rank takes the same step from the global fraction, a checkpoint's bounds apply only to the loss and
+parameters they were adapted for, and the config refuses what it cannot adapt. A
 3-step RL run that logs a moving bound, saves it and resumes it exactly: tests/slow/test_adaptive_clip.py."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megacispo.rl.adaptive_clip import AdaptiveClip, step_bound
+from megacispo.rl.adaptive_clip import AdaptiveClip, restore, step_bound
 from megacispo.rl.losses import compute_global_counts, compute_policy_loss, reduce_metrics, validate_policy_loss_params
 from megacispo.startup import run_config
 from megacispo.testing.harness import run_distributed
@@ -81,9 +82,64 @@ def test_state_round_trips_through_json_exactly():
     controller = _controller("dapo", adapt_low=True)
     _run(controller, steps=7)
     restored = _controller("dapo", adapt_low=True)
-    restored.load_state_dict(json.loads(json.dumps(controller.state_dict())))
+    assert restored.load_state_dict(json.loads(json.dumps(controller.state_dict()))) is None
     assert restored.params() == controller.params() and restored.metrics() == controller.metrics()
     assert controller.eps_high != 0.28
+
+
+def _adapted_cispo(adapt_low: bool = True) -> dict:
+    """A cispo run's checkpointed bounds, moved off the defaults (eps_high 4.0, eps_low 1.0)."""
+    controller = _controller("cispo", adapt_low=adapt_low)
+    controller.eps_high, controller.eps_low = 2.71, 0.15
+    return json.loads(json.dumps(controller.state_dict()))
+
+
+def test_state_names_its_loss_and_parameters():
+    assert _adapted_cispo() == {"loss": "cispo", "bounds": {"eps_high": 2.71, "eps_low": 0.15}}
+    grpo = _controller("grpo")
+    assert grpo.state_dict() == {"loss": "grpo", "bounds": {"eps": 0.2}}
+
+
+def test_bounds_of_another_loss_are_dropped_and_said():
+    """Resuming an adapted cispo run as grpo starts grpo's eps from its own 0.2, not cispo's eps_high."""
+    grpo = _controller("grpo")
+    said = grpo.load_state_dict(_adapted_cispo())
+    assert grpo.params()["eps"] == grpo.eps_high == grpo.eps_low == 0.2
+    assert said == ("the checkpoint's clip bounds were adapted for cispo (eps_high = 2.71, eps_low = 0.15) and "
+                    "rl.loss.name = 'grpo': dropped; the bounds start from rl.loss.params (eps = 0.2)")
+    dapo = _controller("dapo")
+    assert "adapted for cispo" in dapo.load_state_dict(_adapted_cispo()) and dapo.params()["eps_high"] == 0.28
+
+
+def test_a_bound_this_run_does_not_adapt_is_dropped_and_said():
+    controller = _controller("cispo", adapt_low=False)
+    said = controller.load_state_dict(_adapted_cispo(adapt_low=True))
+    assert controller.params()["eps_high"] == 2.71 and controller.params()["eps_low"] == 1.0
+    assert said == ("the checkpoint's adapted eps_low = 0.15 dropped: this run adapts only eps_high "
+                    "(rl.adaptive_clip.adapt_low = false), so eps_low stays at rl.loss.params")
+
+
+def test_a_bound_this_run_adapts_anew_starts_from_the_config():
+    controller = _controller("cispo", adapt_low=True)
+    assert controller.load_state_dict(_adapted_cispo(adapt_low=False)) is None
+    assert controller.params()["eps_high"] == 2.71 and controller.params()["eps_low"] == 1.0
+
+
+def test_a_checkpoint_that_does_not_name_its_loss_is_dropped_and_said():
+    """The bounds of a checkpoint that saved them without their loss cannot be told apart from another
+    loss's: none is applied."""
+    controller = _controller("cispo")
+    said = controller.load_state_dict({"eps_high": 2.71, "eps_low": 0.2})
+    assert controller.params()["eps_high"] == 4.0
+    assert said == ("the checkpoint's adapted clip bounds (eps_high = 2.71, eps_low = 0.2) do not name the loss they "
+                    "were adapted for: dropped; the bounds start from rl.loss.params (eps_high = 4)")
+
+
+def test_bounds_of_a_run_with_adaptive_clipping_off_are_dropped_and_said():
+    assert restore(None, _adapted_cispo()) == ("the checkpoint's adapted clip bounds (eps_high = 2.71, eps_low = 0.15) "
+                                               "dropped: rl.adaptive_clip is off, so the loss uses rl.loss.params")
+    controller = _controller("cispo")
+    assert restore(controller, _adapted_cispo(adapt_low=False)) is None and controller.eps_high == 2.71
 
 
 def _dp_step(rank_shift: float) -> tuple[float, dict[str, float], dict[str, float]]:
@@ -105,7 +161,7 @@ def test_dp2_ranks_take_the_same_step_from_the_global_fraction():
     (local0, reduced0, state0), (local1, reduced1, state1) = run_distributed(_dp_step, 2, 0.6)
     assert local0 < 0.05 < local1
     assert reduced0["loss/clip_frac_high"] == reduced1["loss/clip_frac_high"] == pytest.approx((local0 + local1) / 2)
-    assert state0 == state1 and state0["eps_high"] == 1.05
+    assert state0 == state1 and state0["bounds"]["eps_high"] == 1.05
 
 
 def _config(*overrides: str):

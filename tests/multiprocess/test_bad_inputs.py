@@ -113,6 +113,11 @@ CATALOG = [
     config_row("train", quick("train.steps=many"), "config.train.steps: expected int, got 'many'", id="steps-text"),
     config_row("train", quick("parallel.expert_model_parallel_size=3"), "world size 2", "expert_model_parallel_size",
                id="layout-ep-3"),
+    # -- memory: a batch far past any machine's (the bound is this machine's memory) ------------------
+    config_row("train", quick("rollout.group_size=100000000", "rollout.max_running=256"),
+               "rollout.prompts_per_step = 64 x rollout.group_size = 100000000 puts 3200000000 samples on each process",
+               "at least", "GiB of host memory per process for their tokens, log-probs and expert routes",
+               "lower rollout.group_size or rollout.prompts_per_step", id="rollout-samples-beyond-host-memory"),
     # -- the command line and the config file ------------------------------------------------------
     config_row("train", quick("train.steps=[1"), "--set 'train.steps=[1': invalid YAML at line 1, column 3",
                id="set-yaml-syntax"),
@@ -124,6 +129,12 @@ CATALOG = [
     config_row("train", ["--config", "{ws}/scalar_section.yaml"],
                "config.rollout: expected a mapping of RolloutConfig fields, got 5", id="config-section-scalar"),
     config_row("train", ["--config", "{ws}/missing.yaml"], "missing.yaml: no such file", id="config-missing"),
+    config_row("train", ["--config", "{ws}/duplicate_section.yaml"],
+               "duplicate_section.yaml: duplicate key 'rollout' at line 5, column 1 (first at line 1)", "keep one",
+               id="config-duplicate-section"),
+    config_row("train", ["--config", "{ws}/duplicate_key.yaml"],
+               "duplicate_key.yaml: duplicate key 'rollout.group_size' at line 4, column 3 (first at line 2)",
+               id="config-duplicate-key"),
     config_row("train", ["--config", "{ws}/latin1.yaml"], "latin1.yaml: not UTF-8", "save it as UTF-8",
                id="config-not-utf8"),
     # -- data: prompt files and the tokenizer ------------------------------------------------------

@@ -230,7 +230,7 @@ def _fit(overrides: list[str]) -> dict[str, float]:
     config = run_config(None, overrides, load_field="train.load")
     tokenizer = load_tokenizer(config)
     train_records, test_records, prompt_metrics = load_rl_prompts(config, tokenizer)
-    start = check_start(config, resume=False)
+    start = check_start(config, False, train_records)
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=config.train.steps, peak_lr=config.optimizer.lr)
     with MetricsLogger(config.train.run_dir, enabled=True, console=False) as logger:

@@ -18,8 +18,6 @@ each), copied before a row damages it.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -36,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megacispo.checkpoint.distributed import CheckpointError, complete_checkpoints, find_checkpoints, verify_checkpoint
-from megacispo.testing.harness import run_distributed
+from megacispo.testing.harness import run_distributed, run_entry_point
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -67,15 +65,7 @@ def _argv(task: Path, run_dir: Path, *sets: str) -> list[str]:
 
 def _main(argv: list[str]) -> dict:
     """megacispo.train's main in this process: its exit code and what it printed."""
-    from megacispo import train
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = train.main(argv)
-        except SystemExit as exit_:
-            code = exit_.code
-    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+    return run_entry_point("megacispo.train", argv)
 
 
 def _plain_tensors(checkpoint: str) -> dict[str, torch.Tensor]:

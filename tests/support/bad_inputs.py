@@ -41,6 +41,8 @@ def make_catalog_workspace(root: Path) -> Path:
         "syntax.yaml": "rollout:\n  top_k: [1\n",
         "list.yaml": "- model\n- data\n",
         "scalar_section.yaml": "rollout: 5\n",
+        "duplicate_section.yaml": "rollout:\n  group_size: 4\ntrain:\n  steps: 2\nrollout:\n  top_k: 5\n",
+        "duplicate_key.yaml": "rollout:\n  group_size: 4\n  top_k: 5\n  group_size: 16\n",
         "garbage.model": "not a sentencepiece model\n",
         "catalog_rewards.py": "def one_argument(response):\n    return 1.0\n",
         "catalog_broken_rewards.py": "import module_that_does_not_exist_xyz\n",

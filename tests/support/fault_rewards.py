@@ -1,11 +1,14 @@
-"""Reward functions that inject faults, for tests/multiprocess/test_faults.py and test_async_rollout.py
-(loaded by the trainer as ``megacispo.testing.fault_rewards:name``)."""
+"""Reward functions that inject faults, for tests/multiprocess/test_faults.py, test_async_rollout.py and
+test_reward_timeout.py (loaded by the trainer as ``megacispo.testing.fault_rewards:name``)."""
 
 import os
 import signal
+import time
+
+import psutil
 
 # Set for the run to preempt: the reward call of rank 0 at which it sends SIGTERM to its launcher
-# (torchrun, the workers' parent), as a cluster's scheduler would.
+# (torchrun, the ranks' parent), as a cluster's scheduler would.
 SIGTERM_AT_CALL = "MEGACISPO_TEST_SIGTERM_AT_CALL"
 _calls = 0
 _preempted = False
@@ -20,14 +23,35 @@ def alternating_until_preempted(response: str, record) -> float:
     global _calls, _preempted
     _calls += 1
     if os.environ.get("RANK") == "0" and str(_calls) == os.environ.get(SIGTERM_AT_CALL):
-        os.kill(os.getppid(), signal.SIGTERM)
+        # The reward runs in the rank's reward worker (rl.reward_timeout_s): the launcher is the rank's parent.
+        os.kill(psutil.Process(os.getppid()).ppid(), signal.SIGTERM)
         _preempted = True
     return 0.0 if _preempted else float(_calls % 2)
 
 
 def exit_on_the_rollout_process(response: str, record) -> float:
     """A reward that kills the rollout process (rank 1) at its first call, as a crash would; the
-    training process's evaluation scores 0."""
+    training process's evaluation scores 0. It runs in the rank's reward worker (rl.reward_timeout_s),
+    whose parent is the rank."""
     if os.environ.get("RANK") == "1":
-        os._exit(3)
+        os.kill(os.getppid(), signal.SIGKILL)
     return 0.0
+
+
+# Set for a run whose reward never returns: the file its first call creates, so a test knows the run
+# is stuck there.
+REWARD_STARTED = "MEGACISPO_TEST_REWARD_STARTED"
+
+
+def never_returns(response: str, record) -> float:
+    """A reward stuck for good (as a verifier stuck in C code would be, no signal reaching it)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    if os.environ.get(REWARD_STARTED):
+        open(os.environ[REWARD_STARTED], "a").close()
+    while True:
+        time.sleep(3600)
+
+
+def beyond_float32(response: str, record) -> float:
+    """1e39: finite in float64, infinity in float32 (the advantages' dtype)."""
+    return 1e39

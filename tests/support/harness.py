@@ -16,6 +16,8 @@ sys.path and main module as they are at the call, as a spawned one would.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import io
 import os
 import time
@@ -101,3 +103,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
                 proc.kill()
                 proc.join()
     return [outputs[rank] for rank in range(world_size)]
+
+
+def run_entry_point(module: str, argv: list[str]) -> dict:
+    """The entry point ``module``'s main(argv) in this process (a worker): its exit code and what it
+    printed, as {"code", "out", "err"}."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = importlib.import_module(module).main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}

@@ -1,11 +1,13 @@
 """The tiny random Hugging Face transformers MiniMax model the parity, conversion and scoring tests
 compare with: its config (MODEL.md's, rotary_dim = head_dim because HF rotates whole heads), weights
-far from HF's init, the sequences scored and transformers' log-probs of them, and a conversion then
-scoring of it at a layout. transformers and safetensors are imported on use."""
+far from HF's init, the sequences scored and transformers' log-probs of them, a conversion then
+scoring of it at a layout, and damaged copies of an HF directory (``write_damaged_copy``).
+transformers and safetensors are imported on use."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Mapping
 
@@ -111,6 +113,38 @@ def convert_and_score(root: Path, layout_args: list[str], world_size: int) -> tu
                                          "--out", str(out), *_score_settings(layout_args)])
     logprobs = [torch.tensor(json.loads(line)["logprobs"], dtype=torch.float64) for line in out.read_text().splitlines()]
     return checkpoint, logprobs
+
+
+# Damaged copies of an HF directory (one with a single model.safetensors), and what their error names.
+# (Expert 3 of 4: under EP = 2 only rank 1 reads it; layer 7 is the softmax layer.)
+DAMAGES = {"nan": "model.layers.1.self_attn.out_proj.weight",
+           "inf_expert": "model.layers.2.block_sparse_moe.experts.3.w2.weight",
+           "int32": "model.layers.7.self_attn.q_proj.weight", "llama": "config.json"}
+
+
+def write_damaged_copy(source: Path, directory: Path, damage: str) -> str:
+    """A copy of the HF directory ``source`` at ``directory`` with one damage of DAMAGES: a NaN in a
+    lightning layer's out_proj, an infinity in one expert's w2, the softmax layer's q_proj stored as
+    int32, or a Llama config.json (its safetensors kept). Returns what the error must name."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    if damage == "llama":
+        (directory / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 8,
+            "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 512, "rope_theta": 10_000.0}))
+        return DAMAGES[damage]
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = DAMAGES[damage]
+    if damage == "nan":
+        tensors[name][0, 1] = float("nan")
+    elif damage == "inf_expert":
+        tensors[name][2, 3] = float("inf")
+    else:
+        tensors[name] = (tensors[name] * 100).to(torch.int32)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return name
 
 
 # Whole state dicts between our checkpoint keys and HF's.

@@ -3,9 +3,18 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from megacispo.config import Config, parse_override, to_dict
-from megacispo.startup import check_rl_batches, check_sft_batches, max_prompt_tokens, run_config
+from megacispo.startup import (
+    POSITION_BYTES,
+    SAMPLE_OBJECT_BYTES,
+    check_rl_batches,
+    check_sft_batches,
+    max_prompt_tokens,
+    rollout_bytes,
+    run_config,
+)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
 
@@ -85,6 +94,62 @@ def test_yaml_syntax_errors_name_the_place(tmp_path):
     with pytest.raises(ValueError, match=rf"^--config {path}: invalid YAML at line 3, column 8: ") as error:
         run_config(str(path))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("rollout:\n  group_size: 4\ntrain:\n  steps: 2\nrollout:\n  top_k: 5\n",
+     "duplicate key 'rollout' at line 5, column 1 (first at line 1)"),
+    ("rl:\n  loss:\n    name: dapo\n    name: grpo\n",
+     "duplicate key 'rl.loss.name' at line 4, column 5 (first at line 3)"),
+    ("rl:\n  loss: {name: dapo, name: grpo}\n", "duplicate key 'rl.loss.name' at line 2, column 22 (first at line 2)"),
+    ("logging:\n  metric_hooks:\n    - {a: 1, a: 2}\n",
+     "duplicate key 'logging.metric_hooks[0].a' at line 3, column 14 (first at line 3)"),
+])
+def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as error:
+        run_config(str(path))
+    assert str(error.value) == f"--config {path}: {message}: YAML would keep only the last; keep one"
+
+
+def test_a_key_written_twice_in_an_override_is_an_error():
+    # The column counts in the value, as a syntax error's does.
+    with pytest.raises(ValueError, match=r"^--set 'rl=\{a: 1, a: 2\}': duplicate key 'a' at line 1, column 8 "):
+        parse_override("rl={a: 1, a: 2}")
+
+
+def test_merged_and_aliased_keys_are_not_duplicates():
+    """Only keys written in the mapping itself count: a merge (<<) brings in keys to override."""
+    assert parse_override("train={<<: {steps: 2, seed: 3}, steps: 5}")[1] == {"steps": 5, "seed": 3}
+    assert parse_override("x=[&a {k: 1}, *a]")[1] == [{"k": 1}, {"k": 1}]
+
+
+def test_rollout_memory_is_bounded_from_the_samples():
+    """Per sample, its Python objects and each of 1 + max_new_tokens positions' tokens, log-probs and
+    expert routes; the rollout cache of every sample at once unless rollout.max_running bounds it."""
+    config = run_config(None, ["rollout.max_new_tokens=9"])
+    model = config.model
+    held, cache = rollout_bytes(config, 1000)
+    per_position = POSITION_BYTES + model.num_layers * model.moe_router_topk  # uint8 routes
+    assert held == 1000 * (SAMPLE_OBJECT_BYTES + 10 * per_position)
+    bounded = rollout_bytes(run_config(None, ["rollout.max_new_tokens=9", "rollout.max_running=10"]), 1000)
+    assert bounded[0] == held and bounded[1] * 100 == cache
+
+
+def test_rollout_samples_beyond_host_memory_are_refused(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"rollout.group_size = 100000000 puts 400000000 samples on each process"):
+        check_rl_batches(run_config(None, ["rollout.group_size=100000000", "rollout.max_running=64"]), 2)
+    # 3.2M samples hold a few GiB: their cache, every sample's at once, is what no machine holds.
+    config = run_config(None, ["rollout.group_size=800000", "rollout.prompts_per_step=8"])
+    check_rl_batches(config, 2)
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cache = r"for the rollout cache of rollout.max_running = 0 \(every sample at once\), "
+    with pytest.raises(ValueError, match=cache + r".* GiB for the 2 process\(es\) on this machine, .*: set rollout"):
+        check_rl_batches(config, 2)
 
 
 def test_prompt_limit_defaults_to_what_the_context_leaves():

@@ -25,6 +25,8 @@ DEFERRED_IMPORTS = {
     ("megacispo.models.lightning", "megacispo.models.lightning_triton"),
     # The CPU layer's one switch (parallel/cpu), turned on only on a CPU run.
     ("megacispo.parallel.layout", "megacispo.parallel.cpu"),
+    # Megatron-Core's load strategies, imported at the first load (the dry runs import no Megatron-Core).
+    ("megacispo.checkpoint.distributed", "megacispo.checkpoint.dcp_load"),
 }
 
 
