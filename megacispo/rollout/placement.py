@@ -23,7 +23,7 @@ import datetime
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ class Bridge:
         if self.rank == 0:
             self._keep(work, tensor)
         else:
-            self._wait(work, 0)
+            self._wait(lambda: work, 0)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """``obj`` from bridge rank 0 (pickled); what it sent, on the rollout processes."""
@@ -114,14 +114,19 @@ class Bridge:
     def receive_object(self, bridge_rank: int) -> Any:
         """The next object rollout process ``bridge_rank`` sent; RolloutProcessLost when it died or hung."""
         length = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._wait(self.group.recv([length], bridge_rank, 0), bridge_rank)
+        self._receive(length, bridge_rank)
         payload = torch.empty(int(length), dtype=torch.uint8, device=self.device)
-        self._wait(self.group.recv([payload], bridge_rank, 0), bridge_rank)
+        self._receive(payload, bridge_rank)
         return _from_bytes(payload)
 
-    def _wait(self, work, peer: int) -> None:
+    def _receive(self, tensor: torch.Tensor, peer: int) -> None:
+        # recv itself raises when the peer's connection is already closed; wait() when it closes later.
+        self._wait(lambda: self.group.recv([tensor], peer, 0), peer)
+
+    def _wait(self, post: Callable[[], Any], peer: int) -> None:
+        """Post a communication (``post`` returns its work) and wait for it; what fails names ``peer``."""
         try:
-            work.wait()
+            post().wait()
         except RuntimeError as error:  # gloo's and NCCL's errors, a closed connection's and a timeout's
             lost = RolloutProcessLost if peer else RuntimeError
             raise lost(f"{self.describe(peer)} stopped answering (it died or hung; its own log says why): "
