@@ -80,11 +80,11 @@ def check_finite(name: str, tensor: torch.Tensor, source: str | os.PathLike) -> 
     for start in range(0, flat.numel(), FINITE_CHECK_ELEMENTS):
         if bool(torch.isfinite(flat[start : start + FINITE_CHECK_ELEMENTS]).all()):
             continue
-        bad = ~torch.isfinite(flat)
-        first = int(bad.nonzero()[0, 0])
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape))
+        bad = ~torch.isfinite(tensor)
+        index = bad.nonzero()[0].tolist()
+        first = tensor[tuple(index)].item()
         raise CheckpointError(
             f"tensor {name} in {source} is not finite: NaN or inf in {int(bad.sum())} of its {flat.numel()} values "
-            f"(the first, {flat[first].item()}, at index {list(index)}): the weights are damaged; use an intact copy "
+            f"(the first, {first}, at index {index}): the weights are damaged; use an intact copy "
             f"of the checkpoint (download or export it again)."
         )

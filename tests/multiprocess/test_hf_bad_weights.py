@@ -13,16 +13,13 @@ ends with exit code 2 and one ``error:`` line naming what is wrong, and nothing 
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import io
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from megacispo.testing.harness import run_distributed
+from megacispo.testing.harness import run_distributed, run_entry_point, run_main
 from megacispo.testing.hf_models import DAMAGES, write_damaged_copy
 from megacispo.testing.tool_modules import load_tool
 
@@ -48,16 +45,10 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def _entry_point(name: str, argv: list[str]) -> dict:
-    """The entry point ``name`` (convert, or a megacispo module) run in this process: its exit code
-    and its stderr."""
-    module = load_tool("convert_checkpoint") if name == "convert" else importlib.import_module(f"megacispo.{name}")
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = module.main(argv)
-        except SystemExit as exit_:
-            code = exit_.code
-    return {"code": code, "err": err.getvalue()}
+    """The entry point ``name`` (convert, or a megacispo module) run in this process."""
+    if name == "convert":
+        return run_main(load_tool("convert_checkpoint").main, argv)
+    return run_entry_point(f"megacispo.{name}", argv)
 
 
 def _rank(name: str, argv: list[str]) -> dict:

@@ -108,10 +108,16 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
 def run_entry_point(module: str, argv: list[str]) -> dict:
     """The entry point ``module``'s main(argv) in this process (a worker): its exit code and what it
     printed, as {"code", "out", "err"}."""
+    return run_main(importlib.import_module(module).main, argv)
+
+
+def run_main(main: Callable[[list[str]], int | None], argv: list[str]) -> dict:
+    """``main(argv)`` in this process with its output captured: its exit code (a SystemExit's too)
+    and what it printed, as {"code", "out", "err"}."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = importlib.import_module(module).main(argv)
+            code = main(argv)
         except SystemExit as exit_:
             code = exit_.code
     return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
