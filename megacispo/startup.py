@@ -203,11 +203,15 @@ def load_rl_prompt_file(config: Config, tokenizer, name: str) -> tuple[list[Prom
 
 
 def load_sft_data(config: Config, tokenizer) -> list[PromptRecord]:
-    """data.sft_pairs, each pair tokenized once: prompt, answer and EOS must fit in the model's context."""
+    """data.sft_pairs, each pair tokenized once: prompt, answer and EOS must fit in the model's context,
+    and their inputs (all tokens but the last) in a packed micro-batch."""
     context = config.model.max_position_embeddings
     limit = PromptLimit(tokenizer, context, f"model.max_position_embeddings = {context}", config.data.overlong_prompts,
                         with_answer=True)
-    return _load_data_file(config, "sft_pairs", limit)
+    pairs = _load_data_file(config, "sft_pairs", limit)
+    longest = max((len(pair.prompt_ids) + len(pair.target_ids) - 1 for pair in pairs), default=0)
+    config.train.check_fits(longest, f"the longest pair of data.sft_pairs = {config.data.sft_pairs}, without its last token")
+    return pairs
 
 
 def _data_path(config: Config, name: str) -> str:
@@ -342,6 +346,8 @@ def check_rl_batches(config: Config, data_parallel_size: int) -> None:
             f"choose a divisor of {per_rank}"
         )
     _check_micro_batches(config, per_rank // updates, "samples of each update")
+    config.train.check_fits(max_prompt_tokens(config) + rollout.max_new_tokens,
+                            "data.max_prompt_tokens, or what the context leaves, + rollout.max_new_tokens")
     _check_rollout_host_memory(config, per_rank)
 
 
@@ -414,8 +420,9 @@ def _check_split(name: str, value: int, data_parallel_size: int) -> None:
 
 
 def _check_micro_batches(config: Config, per_rank: int, what: str) -> None:
+    """Padded rows (train.pack_sequences off) come train.micro_batch_size to a micro-batch."""
     size = config.train.micro_batch_size
-    if size < per_rank and per_rank % size:
+    if not config.train.pack_sequences and size < per_rank and per_rank % size:
         raise ValueError(
             f"train.micro_batch_size = {size} does not divide the {per_rank} {what} on a data-parallel rank: "
             f"choose a divisor of {per_rank}, or {per_rank} or more for one micro-batch"

@@ -2,7 +2,9 @@
 
 Every loss takes the same inputs, all [batch, seq] aligned token by token with the labels:
 ``logprobs`` (the current policy, carries the gradient), ``old_logprobs`` (the policy that produced
-the data), ``advantages`` ([batch] or [batch, seq]) and ``loss_mask`` (nonzero on response tokens).
+the data), ``advantages`` ([batch] or [batch, seq]) and ``loss_mask`` (nonzero on response tokens),
+and ``sequences``: which sequence each position belongs to (``Sequences``; one per row unless the
+rows are packed, megacispo.training.packing), for what is taken per sequence.
 A loss is selected by name (``compute_policy_loss("cispo", ...)``); ``describe_policy_losses()``
 lists the names and parameters straight from the registry, so help text cannot drift from code.
 
@@ -60,6 +62,35 @@ class GlobalCounts:
     """int64 scalar: sequences with at least one such token (the ``sequence_mean`` denominator)."""
 
 
+@dataclass(frozen=True)
+class Sequences:
+    """Which sequence each position of a [batch, seq] micro-batch belongs to: one per row (right-padded
+    rows, ``Sequences.rows``) or several (packed rows). Every per-sequence quantity goes through it."""
+
+    ids: torch.Tensor
+    """[batch, seq] int64 in 0..count - 1, non-decreasing in row-major order."""
+    count: int
+    """Sequences of the micro-batch (a packed row's trailing padding counts as one)."""
+
+    @classmethod
+    def rows(cls, like: torch.Tensor) -> Sequences:
+        """One sequence per row of ``like`` [batch, seq]."""
+        batch, seq = like.shape
+        return cls(torch.arange(batch, device=like.device)[:, None].expand(batch, seq), batch)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[count]: the sum of [batch, seq] ``values`` over each sequence's positions."""
+        if values.dtype == torch.bool:
+            values = values.long()
+        return values.new_zeros(self.count).index_add(0, self.ids.reshape(-1), values.reshape(-1))
+
+    def cumsum(self, values: torch.Tensor) -> torch.Tensor:
+        """[batch, seq]: the running sum of ``values`` within each sequence."""
+        totals = self.sum(values)
+        running = values.reshape(-1).cumsum(0).view(values.shape)
+        return running - (totals.cumsum(0) - totals)[self.ids]
+
+
 def valid_token_mask(loss_mask: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     """Tokens that enter the loss: response tokens whose old log-prob is finite. bool, [batch, seq].
 
@@ -72,6 +103,7 @@ def compute_global_counts(
     loss_masks: Sequence[torch.Tensor],
     old_logprobs: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None = None,
+    sequences: Sequence[Sequences] | None = None,
 ) -> GlobalCounts:
     """Count the loss tokens and sequences of one optimizer step; call once per step.
 
@@ -81,6 +113,7 @@ def compute_global_counts(
             exactly as ``compute_policy_loss`` drops them.
         group: the data-parallel group to sum the counts over. None means no reduction (a single
             data-parallel rank); unlike torch.distributed, None does NOT mean the world group.
+        sequences: each micro-batch's ``Sequences``; None: one sequence per row.
 
     Every micro-batch loss divided by these counts sums, over micro-batches and DP ranks, to the
     loss of the whole step's batch (the module docstring states the invariant). Under pipeline
@@ -95,25 +128,33 @@ def compute_global_counts(
     for index, (loss_mask, old) in enumerate(zip(loss_masks, old_logprobs)):
         _check_same_shape(f"loss_masks[{index}]", loss_mask, f"old_logprobs[{index}]", old)
         valid_masks.append(valid_token_mask(loss_mask, old))
-    return _sum_counts(valid_masks, group)
+    return _sum_counts(valid_masks, group, sequences)
 
 
-def count_loss_tokens(loss_masks: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> GlobalCounts:
+def count_loss_tokens(
+    loss_masks: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    sequences: Sequence[Sequences] | None = None,
+) -> GlobalCounts:
     """Count the loss tokens and sequences of one optimizer step of a loss without old log-probs
     (SFT's cross-entropy): every nonzero entry of the micro-batches' loss masks [batch, seq],
     summed over ``group`` as ``compute_global_counts`` sums them (None: no reduction)."""
     if not loss_masks:
         raise ValueError("loss_masks is empty: pass one loss mask per micro-batch of the step")
-    return _sum_counts([loss_mask != 0 for loss_mask in loss_masks], group)
+    return _sum_counts([loss_mask != 0 for loss_mask in loss_masks], group, sequences)
 
 
-def _sum_counts(valid_masks: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> GlobalCounts:
+def _sum_counts(
+    valid_masks: Sequence[torch.Tensor], group: dist.ProcessGroup | None, sequences: Sequence[Sequences] | None
+) -> GlobalCounts:
     """Tokens and sequences with a token of the bool [batch, seq] ``valid_masks``, summed over ``group``."""
+    if sequences is None:
+        sequences = [Sequences.rows(valid) for valid in valid_masks]
     num_tokens = torch.zeros((), dtype=torch.int64, device=valid_masks[0].device)
     num_sequences = torch.zeros_like(num_tokens)
-    for valid in valid_masks:
+    for valid, members in zip(valid_masks, sequences, strict=True):
         num_tokens = num_tokens + valid.sum()
-        num_sequences = num_sequences + valid.any(dim=-1).sum()
+        num_sequences = num_sequences + (members.sum(valid) > 0).sum()
     if group is not None:
         # One collective for both counts; int64 keeps them exact at any batch size.
         counts = torch.stack([num_tokens, num_sequences])
@@ -127,13 +168,13 @@ def aggregate_loss(
     valid_mask: torch.Tensor,
     mode: AggregationMode,
     counts: GlobalCounts,
+    sequences: Sequences,
 ) -> torch.Tensor:
     """Reduce a [batch, seq] per-token loss to this micro-batch's share of the step objective.
 
     token_mean:    sum over valid tokens / counts.num_tokens  (CISPO, DAPO: every token weighs the same)
     sequence_mean: sum over sequences of (mean over the sequence's valid tokens) / counts.num_sequences
-                   (original GRPO). Assumes one sequence per row, whole on this rank: rows packed with
-                   several documents, or split by context parallelism, need a per-document count.
+                   (original GRPO); each sequence whole in this micro-batch.
     The counts are clamped to 1 so an all-masked step gives 0, not NaN.
     """
     # where, not multiply: a NaN or inf at a masked position times 0 would still be NaN.
@@ -141,8 +182,8 @@ def aggregate_loss(
     if mode == "token_mean":
         return masked_loss.sum() / counts.num_tokens.clamp(min=1)
     if mode == "sequence_mean":
-        tokens_per_sequence = valid_mask.sum(dim=-1).clamp(min=1)
-        return (masked_loss.sum(dim=-1) / tokens_per_sequence).sum() / counts.num_sequences.clamp(min=1)
+        tokens_per_sequence = sequences.sum(valid_mask).clamp(min=1)
+        return (sequences.sum(masked_loss) / tokens_per_sequence).sum() / counts.num_sequences.clamp(min=1)
     raise ValueError(f"aggregation mode {mode!r} is unknown; valid modes: {', '.join(AGGREGATION_MODES)}")
 
 
@@ -169,6 +210,8 @@ class PolicyLossInputs:
     """Importance weight pi_theta / pi_old = exp(log_ratio); carries the gradient."""
     valid_mask: torch.Tensor
     """bool: response tokens with a finite old log-prob."""
+    sequences: Sequences
+    """Which sequence each position belongs to."""
 
 
 @dataclass(frozen=True)
@@ -311,6 +354,7 @@ def compute_policy_loss(
     loss_mask: torch.Tensor,
     global_counts: GlobalCounts | None = None,
     token_weights: torch.Tensor | None = None,
+    sequences: Sequences | None = None,
     **params: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step loss of policy loss ``name``, and its metrics.
@@ -326,6 +370,7 @@ def compute_policy_loss(
         token_weights: [batch, seq] detached factors of each token's loss, or None: a correction for
             the gap between rollout and training probabilities (megacispo.rl.rollout_correction, tis),
             applied the same way to every loss.
+        sequences: which sequence each position belongs to (packed rows); None: one per row.
         params: the loss's parameters (``describe_policy_losses()``), e.g. eps_high=4.0, checked once
             at start-up (``validate_policy_loss_params``); those not given take the loss's defaults.
 
@@ -342,14 +387,16 @@ def compute_policy_loss(
     tensor_params = {key: value for key, value in params.items() if isinstance(value, torch.Tensor)}
     optional = {} if token_weights is None else {"token_weights": token_weights}
     _check_input_shapes(logprobs, old_logprobs, advantages, loss_mask, {**tensor_params, **optional})
+    if sequences is None:
+        sequences = Sequences.rows(logprobs)
     if global_counts is None:
-        global_counts = compute_global_counts([loss_mask], [old_logprobs])
+        global_counts = compute_global_counts([loss_mask], [old_logprobs], sequences=[sequences])
 
-    inputs, terms = policy_loss_terms(name, logprobs, old_logprobs, advantages, loss_mask, **params)
+    inputs, terms = policy_loss_terms(name, logprobs, old_logprobs, advantages, loss_mask, sequences, **params)
     per_token_loss = terms.per_token_loss
     if token_weights is not None:
         per_token_loss = per_token_loss * token_weights.detach().to(per_token_loss.dtype)
-    loss = aggregate_loss(per_token_loss, inputs.valid_mask, spec.aggregation, global_counts)
+    loss = aggregate_loss(per_token_loss, inputs.valid_mask, spec.aggregation, global_counts, sequences)
     num_dropped = ((loss_mask != 0) & ~torch.isfinite(old_logprobs)).sum()
     metrics = _loss_metrics(inputs, terms, global_counts, loss, num_dropped)
     return loss, metrics
@@ -361,12 +408,14 @@ def policy_loss_terms(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
+    sequences: Sequences | None = None,
     **params: object,
 ) -> tuple[PolicyLossInputs, TokenLossTerms]:
     """The per-token terms of policy loss ``name`` (the same arguments as ``compute_policy_loss``, whose
     shapes it has checked): what the step loss aggregates, and the clip flags that metric hooks count
     on tokens of their own (megacispo.rl.metric_hooks)."""
-    inputs = _prepare_inputs(logprobs, old_logprobs, advantages, loss_mask)
+    inputs = _prepare_inputs(logprobs, old_logprobs, advantages, loss_mask,
+                             Sequences.rows(logprobs) if sequences is None else sequences)
     return inputs, get_policy_loss(name).fn(inputs, **params)
 
 
@@ -397,7 +446,8 @@ def _check_input_shapes(
 
 
 def _prepare_inputs(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+    sequences: Sequences,
 ) -> PolicyLossInputs:
     # bf16 log-probs would round ratios near 1 by ~0.4%: the loss math runs in fp32 at least.
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -417,6 +467,7 @@ def _prepare_inputs(
         log_ratio=log_ratio,
         ratio=torch.exp(log_ratio),
         valid_mask=valid,
+        sequences=sequences,
     )
 
 
@@ -601,11 +652,11 @@ def gspo_loss(inputs: PolicyLossInputs, *, eps_low: float = 3e-4, eps_high: floa
     s * mean(grad log pi): every token of a sequence gets the same weight, and a sequence whose
     ratio left [1 - eps_low, 1 + eps_high] on the side its advantage favours gets none. The paper's
     bounds are this small because s averages out the token ratios' noise. Each token carries its
-    sequence's loss, so the per-sequence mean of ``sequence_mean`` is that loss. Sequences must be
-    whole in a row, as for grpo.
+    sequence's loss, so the per-sequence mean of ``sequence_mean`` is that loss. Each sequence must
+    be whole in its micro-batch, as for grpo.
     """
-    valid = inputs.valid_mask
-    num_tokens = valid.sum(dim=-1, keepdim=True).clamp(min=1)
-    sequence_log_ratio = torch.where(valid, inputs.log_ratio, 0.0).sum(dim=-1, keepdim=True) / num_tokens  # [b, 1]
-    sequence_ratio = torch.exp(sequence_log_ratio).expand_as(inputs.log_ratio)
+    valid, sequences = inputs.valid_mask, inputs.sequences
+    num_tokens = sequences.sum(valid).clamp(min=1)
+    sequence_log_ratio = sequences.sum(torch.where(valid, inputs.log_ratio, 0.0)) / num_tokens  # [sequences]
+    sequence_ratio = torch.exp(sequence_log_ratio)[sequences.ids]
     return _ppo_clip_terms(dataclasses.replace(inputs, ratio=sequence_ratio), eps_low, eps_high)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from megacispo.plugins import import_object
-from megacispo.rl.losses import GlobalCounts, policy_loss_terms
+from megacispo.rl.losses import GlobalCounts, Sequences, policy_loss_terms
 
 # The mean over a step's responses of the probe token's probability at their first position.
 PROBE_START_PROB = "probe/start_prob"
@@ -45,6 +45,8 @@ class UpdateMicroBatch:
     """The loss's parameters this update used (the adapted bounds under rl.adaptive_clip)."""
     counts: GlobalCounts
     """The update's token and sequence counts over every micro-batch and data-parallel rank."""
+    sequences: Sequences
+    """Which sequence each position belongs to (several per row when the rows are packed)."""
     logprobs_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """(targets, mask) -> [b, T] the policy's log-probs of other targets at the same positions."""
 
@@ -69,7 +71,7 @@ class ProbeToken:
     def micro_batch_metrics(self, micro: UpdateMicroBatch) -> dict[str, torch.Tensor]:
         probe = (micro.targets == self.token_id) & (micro.loss_mask != 0)
         inputs, terms = policy_loss_terms(micro.loss_name, micro.logprobs, micro.old_logprobs, micro.advantages,
-                                          micro.loss_mask, **micro.loss_params)
+                                          micro.loss_mask, micro.sequences, **micro.loss_params)
         probe = probe & inputs.valid_mask
 
         def count(flags: torch.Tensor | None) -> torch.Tensor:
@@ -85,7 +87,8 @@ class ProbeToken:
     def _start_probability(self, micro: UpdateMicroBatch) -> torch.Tensor:
         """This micro-batch's share of the update's mean probability of the token at the response's first
         position (pre-divided by the update's sequence count)."""
-        first = (micro.loss_mask != 0) & (micro.loss_mask.cumsum(dim=1) == 1)  # [b, T]: one position per row
+        response = micro.loss_mask != 0
+        first = response & (micro.sequences.cumsum(response) == 1)  # [b, T]: one position per sequence
         logprobs = micro.logprobs_of(torch.full_like(micro.targets, self.token_id), first)
         return (logprobs.exp() * first).sum() / micro.counts.num_sequences.clamp(min=1)
 

@@ -44,13 +44,14 @@ from megacispo.models.routing import RoutingTargets, disagreement_metrics
 from megacispo.parallel.layout import broadcast_from_last_stage
 from megacispo.rl import adaptive_clip
 from megacispo.rl.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
-from megacispo.rl.losses import compute_global_counts, compute_policy_loss, reduce_metrics
+from megacispo.rl.losses import Sequences, compute_global_counts, compute_policy_loss, reduce_metrics
 from megacispo.rl.metric_hooks import MetricHook, UpdateMicroBatch
 from megacispo.rl.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
 from megacispo.rl.start import RunStart, checkpoint_root
 from megacispo.rollout.generate import Samples, generate, sample_keys
 from megacispo.rollout.remote import RemoteRollouts
 from megacispo.training.engine import Engine
+from megacispo.training.packing import PackedRow, agreed_bins, pack_rows
 
 # The extra_state key of the adapted clip bounds in a checkpoint.
 ADAPTIVE_CLIP_STATE = "adaptive_clip"
@@ -60,7 +61,9 @@ NOTHING_TRAINED = "nothing was trained, so nothing was saved"
 
 @dataclass
 class TrainBatch:
-    """Right-padded sequences with everything the loss needs; [n, S - 1] tensors are per predicted token."""
+    """Sequences with everything the loss needs; [n, S - 1] tensors are per predicted token. A step's
+    batch holds one right-padded sequence per row; a packed micro-batch (``packed``) holds one row
+    [1, W] of several sequences end to end (megacispo.training.packing)."""
 
     tokens: torch.Tensor
     """[n, S] prompt + response + padding."""
@@ -78,12 +81,22 @@ class TrainBatch:
     """[n, S - 1] detached factors of each token's loss (rl.rollout_correction.mode = tis); None: 1."""
     routes: torch.Tensor | None = None
     """[n, S, L, k] the experts the rollout routed each token to in this stage's MoE layers (Samples.routes)."""
+    packed: PackedRow | None = None
+    """Where the sequences of a packed micro-batch lie in its row; None: one sequence per row."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def slice(self, start: int, stop: int) -> TrainBatch:
+        assert self.packed is None, "a packed row holds whole sequences: slice the batch it was packed from"
         return TrainBatch(*(None if value is None else value[start:stop] for value in vars(self).values()))
+
+    @property
+    def sequences(self) -> Sequences:
+        """Which sequence each predicted token [n, S - 1] belongs to, for the loss."""
+        if self.packed is None:
+            return Sequences.rows(self.loss_mask)
+        return Sequences(self.packed.sequence_ids[:, :-1], self.packed.num_sequences)
 
 
 @dataclass
@@ -123,8 +136,12 @@ def routing_targets(micro: TrainBatch, *, compare: bool, replay: bool) -> Routin
         return None
     padding = micro.padding_mask
     real = torch.ones_like(micro.tokens, dtype=torch.bool) if padding is None else ~padding
-    # The rollout fed back every token of a sequence but its last.
-    recorded = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    # The rollout fed back every token of a sequence but its last: those followed by a token of the same sequence.
+    followed = real[:, 1:]
+    if micro.packed is not None:
+        ids = micro.packed.sequence_ids
+        followed = followed & (ids[:, 1:] == ids[:, :-1])
+    recorded = torch.cat([followed, torch.zeros_like(real[:, :1])], dim=1)
     # Token t + 1 is a response token where loss_mask[t] is set.
     response = torch.cat([torch.zeros_like(real[:, :1]), micro.loss_mask != 0], dim=1)
     return RoutingTargets(micro.routes, recorded, recorded & response if compare else None, replay)
@@ -427,15 +444,57 @@ class Trainer:
         metrics["rollout/routes_bytes_per_sample"] = real_tokens * per_token / (len(batch) * self.dp_size)
         return metrics
 
-    def _routing(self, micro: TrainBatch, compare: bool) -> RoutingTargets | None:
-        """The routing of a micro-batch's forward (``routing_targets``) under rl.routing_replay."""
-        return routing_targets(micro, compare=compare, replay=self.config.rl.routing_replay)
+    def _forward(self, model, micro: TrainBatch, *, compare_routes: bool) -> torch.Tensor:
+        """The model's final hidden states for ``micro``: its routing as ``routing_targets`` says under
+        rl.routing_replay (``compare_routes``: the old-log-prob pass), its sequences' boundaries when packed."""
+        routing = routing_targets(micro, compare=compare_routes, replay=self.config.rl.routing_replay)
+        return model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask, routing=routing,
+                     packed_seq_params=None if micro.packed is None else micro.packed.packed_seq_params)
 
     # -- training-engine passes ---------------------------------------------------------------------
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        size = self.config.train.micro_batch_size
-        return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+        """The micro-batches of one pass over ``batch``: packed rows of train.max_tokens_per_micro_batch
+        tokens, as many on every data-parallel rank (train.pack_sequences), or train.micro_batch_size
+        right-padded rows."""
+        train = self.config.train
+        if not train.pack_sequences:
+            size = train.micro_batch_size
+            return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+        lengths = (~batch.padding_mask).sum(dim=1).tolist()  # one copy to the host per pass
+        width = batch.tokens.shape[1]
+        budget = train.max_tokens_per_micro_batch or train.micro_batch_size * width
+        num_bins = agreed_bins(lengths, budget, self.dp_group, self.engine.device)
+        rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device)
+        return [self._packed(batch, row) for row in rows]
+
+    def _packed(self, batch: TrainBatch, row: PackedRow) -> TrainBatch:
+        """The micro-batch of ``row``: the batch's tensors gathered into it."""
+
+        def per_token(values: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor | None:
+            return None if values is None else row.pack(values, fill)[:, :-1]  # [1, W - 1]
+
+        return TrainBatch(
+            tokens=row.pack(batch.tokens, self.tokenizer.pad_id),
+            loss_mask=per_token(batch.loss_mask),
+            advantages=per_token(batch.advantages[:, None].expand_as(batch.loss_mask)),
+            rollout_logprobs=per_token(batch.rollout_logprobs),
+            old_logprobs=per_token(batch.old_logprobs),
+            padding_mask=row.pack(batch.padding_mask, True),
+            token_weights=per_token(batch.token_weights, 1.0),
+            routes=row.pack(batch.routes),
+            packed=row,
+        )
+
+    @staticmethod
+    def _per_token_of_batch(batch: TrainBatch, micro_batches: list[TrainBatch], values: list[torch.Tensor]) -> torch.Tensor:
+        """[n, S - 1]: the micro-batches' per-token ``values`` at their places in ``batch``."""
+        if micro_batches[0].packed is None:
+            return torch.cat(values)
+        out = torch.zeros_like(batch.rollout_logprobs)
+        for micro, micro_values in zip(micro_batches, values, strict=True):
+            micro.packed.unpack(micro_values, out)
+        return out
 
     @torch.no_grad()
     def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -444,16 +503,19 @@ class Trainer:
         temperature = self.config.rollout.temperature
 
         def forward_step(micro: TrainBatch, model):
-            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
-                           routing=self._routing(micro, compare=True))
+            hidden = self._forward(model, micro, compare_routes=True)
             return hidden, lambda output: (
                 output.sum() * 0,
                 {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask, temperature)[0]})
 
+        micro_batches = self._micro_batches(batch)
         self.engine.train(False)
-        outputs = self.engine.run_micro_batches(self._micro_batches(batch), forward_step, forward_only=True)
+        outputs = self.engine.run_micro_batches(micro_batches, forward_step, forward_only=True)
         self.engine.train(True)
-        logprobs = torch.cat([out["logprobs"] for out in outputs]) if outputs else torch.empty_like(batch.rollout_logprobs)
+        if outputs:
+            logprobs = self._per_token_of_batch(batch, micro_batches, [out["logprobs"] for out in outputs])
+        else:
+            logprobs = torch.empty_like(batch.rollout_logprobs)
         # Every stage holds the rollouts and their bookkeeping; only the last computes log-probs.
         return broadcast_from_last_stage(logprobs, self.pp_group)
 
@@ -475,25 +537,26 @@ class Trainer:
         temperature = self.config.rollout.temperature
         micro_batches = self._micro_batches(mini_batch)
         counts = compute_global_counts([m.loss_mask for m in micro_batches], [m.old_logprobs for m in micro_batches],
-                                       group=self.dp_group)
+                                       group=self.dp_group, sequences=[m.sequences for m in micro_batches])
         scale = self.engine.loss_scale_for_schedule(len(micro_batches))
         loss_params = loss_config.params if self.adaptive_clip is None else self.adaptive_clip.params()
 
         def forward_step(micro: TrainBatch, model):
-            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
-                           routing=self._routing(micro, compare=False))
+            hidden = self._forward(model, micro, compare_routes=False)
 
             def loss_func(output):
                 logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,
                                                                 temperature, compute_entropy=True)
+                sequences = micro.sequences
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
-                                                    micro.loss_mask, counts, micro.token_weights, **loss_params)
+                                                    micro.loss_mask, counts, micro.token_weights, sequences,
+                                                    **loss_params)
                 metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
                 if self.metric_hooks:
                     view = UpdateMicroBatch(
                         targets=micro.tokens[:, 1:], loss_mask=micro.loss_mask, logprobs=logprobs.detach(),
                         old_logprobs=micro.old_logprobs, advantages=micro.advantages, loss_name=loss_config.name,
-                        loss_params=loss_params, counts=counts,
+                        loss_params=loss_params, counts=counts, sequences=sequences,
                         logprobs_of=lambda targets, mask: self.engine.token_logprobs(output, targets, mask,
                                                                                    temperature)[0])
                     for hook in self.metric_hooks:

@@ -54,7 +54,11 @@ class TrainConfig:
     seed: int = ranged(1234, AT_LEAST_0)
     """Seeds model initialization, sampling and data order."""
     micro_batch_size: int = ranged(8, AT_LEAST_1)
-    """Sequences per micro-batch in the training forward/backward."""
+    """Sequences per micro-batch with pack_sequences off; packed, the default budget is this many of the longest."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's sequences end to end into one row (exact; false: one right-padded sequence per row)."""
+    max_tokens_per_micro_batch: int = ranged(0, Range(0, note="0: micro_batch_size x the pass's longest sequence"))
+    """Token budget of a packed micro-batch (0: micro_batch_size x the pass's longest sequence, padding's own size)."""
     checkpoint_every: int = ranged(0, Range(0, note="0: only at the end"))
     """Save a checkpoint every this many steps (0: only at the end)."""
     keep_last: int = ranged(2, AT_LEAST_1)
@@ -72,6 +76,23 @@ class TrainConfig:
         if not self.run_dir:
             raise ValueError("train.run_dir is empty: name the directory for the run's checkpoints and logs")
         check_ranges(self, "train")
+        if self.max_tokens_per_micro_batch and not self.pack_sequences:
+            raise ValueError(
+                f"train.max_tokens_per_micro_batch = {self.max_tokens_per_micro_batch} is a budget of packed "
+                "micro-batches but train.pack_sequences is false: set train.pack_sequences=true, or "
+                "train.max_tokens_per_micro_batch=0 for train.micro_batch_size padded rows"
+            )
+
+    def check_fits(self, longest: int, source: str) -> None:
+        """ValueError when a sequence of ``longest`` tokens (``source`` says what bounds it) exceeds the
+        budget of a packed micro-batch: a sequence is never split over micro-batches."""
+        budget = self.max_tokens_per_micro_batch
+        if self.pack_sequences and budget and budget < longest:
+            raise ValueError(
+                f"train.max_tokens_per_micro_batch = {budget} is less than the longest sequence, {longest} tokens "
+                f"({source}): a sequence is never split over micro-batches; raise it to {longest} or more, or "
+                f"shorten the sequences"
+            )
 
 
 @dataclass(kw_only=True)

@@ -196,12 +196,16 @@ class Engine:
 
         return scatter(logprobs), None if entropy is None else scatter(entropy)
 
-    def padded_length(self, length: int) -> int:
-        """Sequence parallelism splits each sequence over the TP ranks: batches are right-padded to a
-        multiple of TP (padding is masked out of every loss)."""
+    @property
+    def length_multiple(self) -> int:
+        """What every row's length is a multiple of: sequence parallelism splits each row over the TP
+        ranks (padding is masked out of every loss)."""
         parallel = self.config.parallel
-        multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
-        return -(-length // multiple) * multiple
+        return parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+
+    def padded_length(self, length: int) -> int:
+        """``length`` right-padded to ``length_multiple``."""
+        return -(-length // self.length_multiple) * self.length_multiple
 
     def loss_scale_for_schedule(self, num_micro_batches: int) -> float:
         """Megatron's schedule divides each micro-batch loss by the number of micro-batches and DDP

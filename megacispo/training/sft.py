@@ -22,9 +22,10 @@ from megacispo.data.tokenizer import Tokenizer
 from megacispo.lifeline import start_group_reaper
 from megacispo.metrics.logger import MetricsLogger, format_console_line, is_logging_rank
 from megacispo.parallel.layout import destroy_distributed, init_distributed
-from megacispo.rl.losses import count_loss_tokens, reduce_metrics
+from megacispo.rl.losses import Sequences, count_loss_tokens, reduce_metrics
 from megacispo.startup import bad_input_exits
 from megacispo.training.engine import Engine
+from megacispo.training.packing import PackedRow, agreed_bins, pack_rows
 
 # A console line with the metrics every this many steps (and at the last); the bar shows the rest.
 CONSOLE_EVERY = 50
@@ -32,12 +33,20 @@ CONSOLE_EVERY = 50
 
 @dataclass
 class SFTMicroBatch:
-    """One micro-batch of next-token prediction, each tensor [b, T]."""
+    """One micro-batch of next-token prediction, each tensor [b, T] (a packed row: [1, W])."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     padding_mask: torch.Tensor
+    packed: PackedRow | None = None
+    """Where the pairs of a packed row lie in it; None: one pair per row."""
+
+    @property
+    def sequences(self) -> Sequences:
+        if self.packed is None:
+            return Sequences.rows(self.loss_mask)
+        return Sequences(self.packed.sequence_ids, self.packed.num_sequences)
 
 
 class SFTTrainer:
@@ -73,11 +82,13 @@ class SFTTrainer:
         """One optimizer step on this rank's share of sft.batch_size pairs; the step's metrics."""
         engine = self.engine
         micro_batches = self._micro_batches()
-        counts = count_loss_tokens([micro.loss_mask for micro in micro_batches], group=engine.groups.dp)
+        counts = count_loss_tokens([micro.loss_mask for micro in micro_batches], group=engine.groups.dp,
+                                   sequences=[micro.sequences for micro in micro_batches])
         scale = engine.loss_scale_for_schedule(len(micro_batches))
 
         def forward_step(micro: SFTMicroBatch, model):
-            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask)
+            hidden = model(micro.tokens, return_hidden_states=True, padding_mask=micro.padding_mask,
+                           packed_seq_params=None if micro.packed is None else micro.packed.packed_seq_params)
 
             def loss_func(output):
                 logprobs, _ = engine.token_logprobs(output, micro.labels, micro.loss_mask)
@@ -97,14 +108,25 @@ class SFTTrainer:
         save_checkpoint(root, self.step, self.engine.module, config_dict=to_dict(self.config), keep_last=1)
 
     def _micro_batches(self) -> list[SFTMicroBatch]:
-        """This rank's slice of the next global batch, right-padded to the engine's length, in
-        train.micro_batch_size pieces."""
+        """This rank's slice of the next global batch: packed rows of train.max_tokens_per_micro_batch
+        tokens, as many on every data-parallel rank (train.pack_sequences), or right-padded to the
+        engine's length in train.micro_batch_size pieces."""
         records = self.sampler.next_batch(self.per_rank * self.dp_size)
         mine = records[self.dp_rank * self.per_rank:(self.dp_rank + 1) * self.per_rank]
-        batch = collate_sft([build_sft_example(self.tokenizer, record) for record in mine], self.tokenizer.pad_id)
-        batch = _pad_to(batch, self.engine.padded_length(batch.input_ids.shape[1]), self.tokenizer.pad_id)
-        batch = batch.to(self.engine.device)
-        size = self.config.train.micro_batch_size
+        examples = [build_sft_example(self.tokenizer, record) for record in mine]
+        batch = collate_sft(examples, self.tokenizer.pad_id)
+        train, pad_id = self.config.train, self.tokenizer.pad_id
+        if train.pack_sequences:
+            batch = batch.to(self.engine.device)
+            lengths = [len(example.token_ids) - 1 for example in examples]
+            width = batch.input_ids.shape[1]
+            budget = train.max_tokens_per_micro_batch or train.micro_batch_size * width
+            num_bins = agreed_bins(lengths, budget, self.engine.groups.dp, self.engine.device)
+            rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device)
+            return [SFTMicroBatch(row.pack(batch.input_ids, pad_id), row.pack(batch.labels, pad_id),
+                                  row.pack(batch.loss_mask), row.pack(batch.padding_mask, True), row) for row in rows]
+        batch = _pad_to(batch, self.engine.padded_length(batch.input_ids.shape[1]), pad_id).to(self.engine.device)
+        size = train.micro_batch_size
         return [SFTMicroBatch(batch.input_ids[i:i + size], batch.labels[i:i + size], batch.loss_mask[i:i + size],
                               batch.padding_mask[i:i + size]) for i in range(0, self.per_rank, size)]
 

@@ -140,19 +140,6 @@ def test_guard_leaves_upstream_host_tensors_unmarked():
 # The RL driver under the guard, in a world of one
 
 
-class _CharTokenizer:
-    """Enough of megacispo.data.tokenizer.Tokenizer for the Trainer, without training a sentencepiece model."""
-
-    pad_id, bos_id, eos_id = 0, 1, 2
-    stop_ids = (2,)
-
-    def encode(self, text: str) -> list[int]:
-        return [3 + ord(character) % 500 for character in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i - 3) for i in ids if i >= 3)
-
-
 def _rl_config(run_dir: str):
     from megacispo.config import Config
     from megacispo.evaluation.config import EvalConfig
@@ -171,17 +158,9 @@ def _rl_config(run_dir: str):
 
 
 def _build_trainer(run_dir: str):
-    from megacispo.data.prompts import PromptRecord
-    from megacispo.metrics.logger import MetricsLogger
-    from megacispo.parallel.layout import init_distributed
-    from megacispo.rl.trainer import Trainer
-    from megacispo.training.engine import Engine
+    from megacispo.testing.trainers import build_trainer
 
-    config = _rl_config(run_dir)
-    init_distributed(config.parallel, config.train.seed)
-    engine = Engine(config, total_steps=4, peak_lr=1e-3)
-    records = [PromptRecord(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in range(4)]
-    return Trainer(config, engine, _CharTokenizer(), records, records[:2], MetricsLogger(run_dir, enabled=False))
+    return build_trainer(_rl_config(run_dir))
 
 
 def _megatron_decode(trainer) -> None:

@@ -165,8 +165,13 @@ def test_prompt_limit_defaults_to_what_the_context_leaves():
         (["rl.updates_per_rollout=3"], 1, r"rl.updates_per_rollout = 3 does not divide the 64 samples"),
         (["rl.updates_per_rollout=8"], 4, None),
         (["rl.updates_per_rollout=32"], 4, r"rl.updates_per_rollout = 32 does not divide the 16 samples"),
-        (["train.micro_batch_size=3"], 1, r"train.micro_batch_size = 3 does not divide the 16 samples of each update"),
-        (["train.micro_batch_size=64"], 1, None),  # one micro-batch
+        (["train.pack_sequences=false", "train.micro_batch_size=3"], 1,
+         r"train.micro_batch_size = 3 does not divide the 16 samples of each update"),
+        (["train.micro_batch_size=3"], 1, None),  # packed rows take whole sequences up to a token budget
+        (["train.pack_sequences=false", "train.micro_batch_size=64"], 1, None),  # one micro-batch
+        (["train.max_tokens_per_micro_batch=4096", "data.max_prompt_tokens=1024"], 1, None),
+        (["train.max_tokens_per_micro_batch=1000", "data.max_prompt_tokens=1024"], 1,
+         r"train.max_tokens_per_micro_batch = 1000 is less than the longest sequence, \d+ tokens"),
     ],
 )
 def test_rl_batches_split_over_the_data_parallel_ranks(overrides, data_parallel_size, message):
@@ -178,12 +183,19 @@ def test_rl_batches_split_over_the_data_parallel_ranks(overrides, data_parallel_
         check_rl_batches(config, data_parallel_size)
 
 
+def test_a_token_budget_needs_packed_rows():
+    with pytest.raises(ValueError, match=r"train.max_tokens_per_micro_batch = 4096 is a budget of packed micro-batches "
+                                         r"but train.pack_sequences is false"):
+        run_config(None, ["train.max_tokens_per_micro_batch=4096", "train.pack_sequences=false"])
+
+
 def test_sft_batches_split_over_the_data_parallel_ranks():
     check_sft_batches(run_config(None, ["sft.batch_size=64"]), 8)  # 8 pairs a rank, one micro-batch
     with pytest.raises(ValueError, match=r"sft.batch_size = 6 is not divisible by the data-parallel size 4"):
         check_sft_batches(run_config(None, ["sft.batch_size=6"]), 4)
     with pytest.raises(ValueError, match=r"train.micro_batch_size = 8 does not divide the 12 pairs of each SFT step"):
-        check_sft_batches(run_config(None, ["sft.batch_size=24"]), 2)
+        check_sft_batches(run_config(None, ["sft.batch_size=24", "train.pack_sequences=false"]), 2)
+    check_sft_batches(run_config(None, ["sft.batch_size=24"]), 2)  # packed rows take any number of pairs
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -9,6 +9,7 @@ import torch
 
 from megacispo.rl.losses import (
     GlobalCounts,
+    Sequences,
     compute_global_counts,
     compute_policy_loss,
     policy_loss_names,
@@ -67,7 +68,7 @@ def test_probe_tokens_count_their_own_clipping(name: str, high: int, low: int):
     micro = UpdateMicroBatch(
         targets=torch.where(probe_mask, 7, 3), loss_mask=loss_mask, logprobs=logprobs.detach(),
         old_logprobs=old_logprobs, advantages=advantages, loss_name=name, loss_params=params,
-        counts=compute_global_counts([loss_mask], [old_logprobs]),
+        counts=compute_global_counts([loss_mask], [old_logprobs]), sequences=Sequences.rows(loss_mask),
         logprobs_of=lambda targets, mask: torch.zeros_like(logprobs),
     )
     metrics = hook.micro_batch_metrics(micro)
@@ -540,3 +541,39 @@ def test_registry_rejects_duplicates_and_malformed_losses():
     with pytest.raises(ValueError, match="aggregation 'per_prompt' is unknown; valid modes: token_mean, sequence_mean"):
         register_policy_loss("malformed", aggregation="per_prompt")
     assert "malformed" not in policy_loss_names()
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "cispo"])
+def test_sequences_packed_in_one_row_give_the_loss_and_gradient_of_one_per_row(name: str):
+    """Three sequences of a [3, 6] batch laid end to end in one [1, 18] row (with Sequences naming
+    them) give the same loss, gradient, counts and metrics: sequence_mean and gspo's sequence ratio
+    are taken per sequence, not per row."""
+    generator = torch.Generator().manual_seed(11)
+    logprobs = -torch.rand(3, 6, generator=generator, dtype=torch.float64)
+    old_logprobs = logprobs + 0.3 * torch.randn(3, 6, generator=generator, dtype=torch.float64)
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.float64)
+    advantages = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    params = validate_policy_loss_params(name, {})
+    rows = logprobs.clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(name, rows, old_logprobs, advantages, loss_mask, **params)
+    loss.backward()
+    packed = logprobs.reshape(1, 18).clone().requires_grad_(True)
+    sequences = Sequences(torch.arange(3).repeat_interleave(6)[None], 3)
+    packed_counts = compute_global_counts([loss_mask.reshape(1, 18)], [old_logprobs.reshape(1, 18)],
+                                          sequences=[sequences])
+    assert int(packed_counts.num_sequences) == 3
+    packed_loss, packed_metrics = compute_policy_loss(
+        name, packed, old_logprobs.reshape(1, 18), advantages.repeat_interleave(6)[None], loss_mask.reshape(1, 18),
+        packed_counts, sequences=sequences, **params)
+    packed_loss.backward()
+    torch.testing.assert_close(packed_loss, loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(packed.grad.reshape(3, 6), rows.grad, rtol=1e-12, atol=1e-15)
+    for key, value in metrics.items():
+        torch.testing.assert_close(packed_metrics[key], value, rtol=1e-6, atol=1e-9, msg=key)
+
+
+def test_sequences_cumsum_restarts_at_each_sequence():
+    sequences = Sequences(torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]]), 3)
+    values = torch.tensor([[1, 0, 1, 1, 1, 0, 1, 1]])
+    assert sequences.cumsum(values).tolist() == [[1, 1, 2, 1, 2, 0, 1, 2]]
+    assert sequences.sum(values).tolist() == [2, 2, 2]

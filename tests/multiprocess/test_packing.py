@@ -1,0 +1,181 @@
+"""Packed micro-batches (train.pack_sequences) compute what right-padded rows compute.
+
+The trainer's own passes on the tiny model (lightning and softmax layers, MoE), on one batch of
+long-tailed sequences: the old log-probs, and one update's loss, metrics and gradients, packed by
+token budgets that give 1, 2 and 5 micro-batches, against the padded layout in one micro-batch;
+cispo (token mean) and gspo (per-sequence ratio, sequence mean), with routing replay of recorded
+experts. At DP = 2 the ranks hold sequences of different lengths and totals, agree on their number
+of micro-batches, and their update's gradients equal the one-process padded run over both halves.
+
+The MoE auxiliary loss is off (model.moe_aux_loss_coeff = 0): it is a statistic of each micro-batch's
+tokens, so it changes with the micro-batching in either layout (as in Megatron-LM).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacispo.testing.harness import run_distributed
+from megacispo.testing.parallel_case import assert_close_by_key
+
+# Prompt and response lengths of the 16 sequences; ranks of DP = 2 take 8 each.
+PROMPTS = (5, 3, 12, 4, 7, 2, 9, 6, 3, 8, 4, 11, 5, 2, 6, 3)
+RESPONSES = (40, 3, 1, 25, 2, 6, 1, 60, 9, 2, 30, 4, 1, 7, 3, 2)
+VOCAB, EXPERTS, TOPK = 512, 4, 2
+
+
+def _sequences(rows: range) -> dict[str, torch.Tensor]:
+    """The batch of ``rows``, right-padded as the trainer batches a step (seed 5 for all rows)."""
+    generator = torch.Generator().manual_seed(5)
+    total = len(PROMPTS)
+    lengths = torch.tensor(PROMPTS) + torch.tensor(RESPONSES)
+    width = int(lengths[list(rows)].max())
+    tokens = torch.randint(3, VOCAB, (total, int(lengths.max())), generator=generator)
+    routes = torch.randint(0, EXPERTS, (total, int(lengths.max()), 8, TOPK), generator=generator)
+    routes = torch.where(routes[..., :1] == routes[..., 1:], (routes + 1) % EXPERTS, routes)  # distinct top-k
+    advantages = torch.randn(total, generator=generator, dtype=torch.float64).float()
+    rollout_logprobs = -torch.rand(total, int(lengths.max()) - 1, generator=generator)
+    positions = torch.arange(int(lengths.max()))
+    real = positions < lengths[:, None]
+    response = (positions >= torch.tensor(PROMPTS)[:, None]) & real
+    index = list(rows)
+    return {
+        "tokens": torch.where(real, tokens, 0)[index, :width],
+        "loss_mask": response[index, 1:width].float(),
+        "advantages": advantages[index],
+        "rollout_logprobs": torch.where(response[:, 1:], rollout_logprobs, 0.0)[index, :width - 1],
+        "padding_mask": ~real[index, :width],
+        "routes": torch.where(real[..., None, None], routes, 0)[index, :width].to(torch.uint8),
+    }
+
+
+def _pass(pack: bool, budget: int, loss: str, rows: range | None = None) -> dict:
+    """Old log-probs and one update of the batch of ``rows`` (this rank's half at DP = 2, all 16 in
+    one process): the old log-probs [n, S - 1], the update's metrics, the gradients by name, the
+    number of micro-batches."""
+    import torch.distributed as dist
+
+    from megacispo.config import Config
+    from megacispo.models.config import model_config
+    from megacispo.rl.config import LossConfig, RLConfig
+    from megacispo.rl.trainer import TrainBatch
+    from megacispo.testing.trainers import build_trainer
+    from megacispo.training.config import OptimizerConfig, TrainConfig
+
+    config = Config(
+        model=model_config("tiny", moe_aux_loss_coeff=0.0),
+        rl=RLConfig(updates_per_rollout=1, routing_replay=True, loss=LossConfig(name=loss)),
+        train=TrainConfig(pack_sequences=pack, max_tokens_per_micro_batch=budget, micro_batch_size=16,
+                          run_dir="runs/unused"),
+        optimizer=OptimizerConfig(use_distributed_optimizer=False, clip_grad=0.0),
+    )
+    trainer = build_trainer(config)
+    if rows is None:
+        rank, size = dist.get_rank(), dist.get_world_size()
+        rows = range(rank * len(PROMPTS) // size, (rank + 1) * len(PROMPTS) // size)
+    batch = TrainBatch(**_sequences(rows))
+    micro_batches = len(trainer._micro_batches(batch))
+    batch.old_logprobs = trainer.compute_old_logprobs(batch)
+    engine = trainer.engine
+    grads: dict[str, torch.Tensor] = {}
+    step = engine.step
+
+    def step_keeping_grads():
+        grads.update({name: param.main_grad.detach().clone() for name, param in engine.module.named_parameters()
+                      if param.requires_grad})
+        return step()
+
+    engine.step = step_keeping_grads
+    metrics = trainer._update_once(batch)
+    return {"old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads, "micro_batches": micro_batches}
+
+
+def _budget_for(micro_batches: int) -> int:
+    """The smallest budget (at least the longest sequence) that packs all 16 sequences into
+    ``micro_batches`` micro-batches."""
+    from megacispo.training.packing import bins_needed
+
+    lengths = [p + r for p, r in zip(PROMPTS, RESPONSES)]
+    budget = next(b for b in range(max(lengths), sum(lengths) + 1) if bins_needed(lengths, b) == micro_batches)
+    return budget
+
+
+def _assert_same(expected: dict, actual: dict, what: str) -> None:
+    torch.testing.assert_close(actual["old_logprobs"], expected["old_logprobs"], rtol=1e-5, atol=1e-5,
+                               msg=f"{what}: old log-probs")
+    for key in ("loss/policy_loss", "loss/entropy", "loss/num_tokens", "loss/clip_frac_high", "perf/grad_norm"):
+        assert actual["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5, abs=1e-7), (what, key)
+    assert_close_by_key(expected["grads"], actual["grads"], f"{what}: gradient of", rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def padded() -> dict:
+    """Both losses on all 16 sequences right-padded in one micro-batch, in one process."""
+    return {loss: run_distributed(_pass, 1, False, 0, loss)[0] for loss in ("cispo", "gspo")}
+
+
+@pytest.mark.parametrize("loss", ["cispo", "gspo"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 5])
+def test_packed_micro_batches_compute_what_padded_rows_compute(padded, loss, micro_batches):
+    (packed,) = run_distributed(_pass, 1, True, _budget_for(micro_batches), loss)
+    assert packed["micro_batches"] == micro_batches
+    _assert_same(padded[loss], packed, f"{loss}, {micro_batches} packed micro-batches")
+
+
+def test_ranks_with_unequal_sequences_agree_and_match_one_process(padded):
+    """DP = 2: rank 0's 8 sequences hold 186 tokens, rank 1's 100; a budget of 100 fits rank 1's in
+    one micro-batch and rank 0's in two, so both run two."""
+    from megacispo.data.padding import pad_right
+
+    results = run_distributed(_pass, 2, True, 100, "cispo")
+    assert [r["micro_batches"] for r in results] == [2, 2]
+    whole = padded["cispo"]
+    width = whole["old_logprobs"].shape[1]
+    both = torch.cat([pad_right(r["old_logprobs"], width) for r in results])
+    for result in results:
+        _assert_same(whole, {**result, "old_logprobs": both}, "DP = 2 packed")
+
+
+def _sft_step(pack: bool, budget: int) -> dict:
+    """One SFT step on 8 pairs of long-tailed lengths: its loss, gradients and micro-batches."""
+    from megacispo.config import Config
+    from megacispo.data.prompts import PromptRecord
+    from megacispo.metrics.logger import MetricsLogger
+    from megacispo.models.config import model_config
+    from megacispo.parallel.layout import init_distributed
+    from megacispo.testing.trainers import CharTokenizer
+    from megacispo.training.config import OptimizerConfig, SFTConfig, TrainConfig
+    from megacispo.training.engine import Engine
+    from megacispo.training.sft import SFTTrainer
+
+    config = Config(
+        model=model_config("tiny", moe_aux_loss_coeff=0.0), sft=SFTConfig(batch_size=8),
+        train=TrainConfig(pack_sequences=pack, max_tokens_per_micro_batch=budget, micro_batch_size=8,
+                          run_dir="runs/unused"),
+        optimizer=OptimizerConfig(use_distributed_optimizer=False, clip_grad=0.0),
+    )
+    init_distributed(config.parallel, config.train.seed)
+    engine = Engine(config, total_steps=1, peak_lr=1e-3)
+    pairs = [PromptRecord(prompt="q" * prompt, answer="a" * answer)
+             for prompt, answer in zip(PROMPTS[:8], RESPONSES[:8])]
+    trainer = SFTTrainer(config, engine, CharTokenizer(), pairs, MetricsLogger("runs/unused", enabled=False))
+    micro_batches = len(trainer._micro_batches())
+    grads: dict[str, torch.Tensor] = {}
+    step = engine.step
+
+    def step_keeping_grads():
+        grads.update({name: param.main_grad.detach().clone() for name, param in engine.module.named_parameters()})
+        return step()
+
+    engine.step = step_keeping_grads
+    metrics = trainer.train_step()
+    return {"loss": metrics["sft/loss"], "grads": grads, "micro_batches": micro_batches}
+
+
+def test_sft_packed_step_computes_what_padded_rows_compute():
+    (padded,) = run_distributed(_sft_step, 1, False, 0)
+    (packed,) = run_distributed(_sft_step, 1, True, 70)
+    assert (padded["micro_batches"], packed["micro_batches"]) == (1, 3)
+    assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+    assert_close_by_key(padded["grads"], packed["grads"], "SFT packed: gradient of", rtol=1e-4)
