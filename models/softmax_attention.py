@@ -2,10 +2,17 @@
 projections (HF's q_proj / k_proj / v_proj, each split by heads under TP), RoPE on the first
 rotary_dim channels of each head, scale 1/sqrt(head_dim), causal, torch's
 scaled_dot_product_attention, row-parallel o_proj. A KV cache serves decoding.
+
+Packed rows (documents laid end to end in batch 1, packed_seq_params) attend causally within each
+document; ``attend_documents`` picks the kernel by device. The Transformer Engine backend
+(models/te_specs.py) swaps only the projections for TE linears, so its packed rows take the same
+path.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +30,7 @@ from megacispo.models.layers import (
     local_column_parallel_linear,
     row_parallel_linear,
 )
+from megacispo.models.softmax_cp import document_causal_mask, masked_attention, packed_document_ids
 
 
 @dataclass
@@ -85,7 +93,9 @@ class SoftmaxAttention(MegatronModule):
             k, v = inference_context.extend_kv(self.layer_idx, k, v)
             out = self._attend(q, k, v, _padded_causal_mask(inference_context.valid_mask, seq_len))
         elif packed_seq_params is not None:
-            out = self._attend_documents(q, k, v, packed_seq_params.cu_seqlens_q)
+            out = attend_documents(
+                q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q, self.head_dim**-0.5
+            )
         elif attention_mask is not None:
             out = self._attend(q, k, v, _padded_causal_mask(attention_mask.bool(), seq_len))
         else:
@@ -131,21 +141,83 @@ class SoftmaxAttention(MegatronModule):
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.head_dim**-0.5, enable_gqa=True
         )
 
-    def _attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor):
-        """Causal attention inside each packed document (batch 1): one attention call per document,
-        so memory and work are sum(L_i^2), not T^2."""
-        seq_len = q.shape[2]
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != seq_len:
-            raise ValueError(
-                f"packed_seq_params.cu_seqlens_q spans [{bounds[0]}, {bounds[-1]}] but the sequence has "
-                f"{seq_len} tokens: the documents must cover the packed sequence exactly."
-            )
-        pieces = [
-            self._attend(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask=None)
-            for start, end in zip(bounds[:-1], bounds[1:])
-        ]
-        return torch.cat(pieces, dim=2)
+
+def attend_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None, scale: float
+) -> torch.Tensor:
+    """Causal attention inside each document of a packed row: q [1, heads, T, d], k and v
+    [1, kv heads, T, d], documents ending at cu_seqlens[1:] (cu_seqlens[0] = 0, cu_seqlens[-1] = T),
+    the longest ``max_seqlen`` tokens (None: not known) -> [1, heads, T, d]. By device:
+
+    - CPU: one SDPA call per document (``_documents_one_by_one``), exact; memory and work
+      sum(L_i^2). It reads cu_seqlens on the host, which costs nothing there, and checks it.
+    - CUDA, fp16 / bf16, flash-attn installed: its varlen kernel (``_documents_flash_varlen``),
+      memory linear in T, GQA without repeating K and V. No host sync when ``max_seqlen`` is given
+      (PackedSeqParams.max_seqlen_q); one to find it otherwise.
+    - CUDA otherwise: SDPA's memory-efficient kernel under a block-diagonal causal mask built from
+      document ids (``_documents_masked``), no host sync and no loop. Exact, but the mask is T^2
+      bytes of bool (plus the kernel's T^2 bias in q's dtype: 3 GiB at T = 32k in bf16), K and V are
+      repeated to all heads, and the work is T^2 / 2 instead of sum(L_i^2) / 2.
+    """
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"packed_seq_params packs documents into one row, but the batch has {q.shape[0]} rows: "
+            f"pass input_ids of shape [1, T] with packed_seq_params."
+        )
+    if not q.is_cuda:
+        return _documents_one_by_one(q, k, v, cu_seqlens, scale)
+    if q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_installed():
+        return _documents_flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+    return _documents_masked(q, k, v, cu_seqlens, scale)
+
+
+def _documents_one_by_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    seq_len = q.shape[2]
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != seq_len:
+        raise ValueError(
+            f"packed_seq_params.cu_seqlens_q spans [{bounds[0]}, {bounds[-1]}] but the sequence has "
+            f"{seq_len} tokens: the documents must cover the packed sequence exactly."
+        )
+    pieces = [
+        F.scaled_dot_product_attention(
+            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=True, scale=scale, enable_gqa=True
+        )
+        for start, end in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(pieces, dim=2)
+
+
+def _documents_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    positions = torch.arange(q.shape[2], device=q.device)
+    documents = packed_document_ids(cu_seqlens.to(q.device), positions)
+    mask = document_causal_mask(positions, documents, positions, documents)
+    return masked_attention(q, k, v, mask, scale)
+
+
+def _documents_flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None, scale: float
+) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int(torch.diff(cu_seqlens).max())  # the caller did not say: one host sync
+    # flash-attn's THD layout [T, heads, d]; GQA when heads is a multiple of kv heads.
+    out = flash_attn_varlen_func(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens, cu_seqlens,
+        max_seqlen, max_seqlen, softmax_scale=scale, causal=True,
+    )
+    return out.transpose(0, 1)[None]
+
+
+@functools.cache
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 def _padded_causal_mask(key_valid: torch.Tensor, query_len: int) -> torch.Tensor:
