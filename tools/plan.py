@@ -5,9 +5,11 @@ fixed overhead, for the worst pipeline stage, and whether it fits.
         --micro-batch 1 --seq-len 8192 --recompute full --precision bf16 --gpu-memory-gb 80 \\
         --distributed-optimizer
 
-World size = TP x PP x DP. Exit status 0 when the plan fits, 1 when it does not, 2 for bad input:
-an impossible layout (the same checks and messages as start-up: parallel.layout.validate_layout)
-or a bad argument.
+World size = TP x PP x CP x DP. Exit status 0 when the plan fits, 1 when it does not, 2 for bad
+input: an impossible layout (the same checks and messages as start-up: parallel.layout.validate_layout)
+or a bad argument. --longest replaces --seq-len by a binary search for the longest sequence, up to
+the model's max_position_embeddings, that the layout fits, and prints the plan at that length (exit
+status 1 when not even the shortest fits).
 Memory is in GiB (2^30 bytes); an "80 GB" H100/H800 reports 81,559 MiB = 79.6 GiB to CUDA.
 
 Parameters per GPU follow Megatron-Core's split. Dense parameters: the mixer projections are split
@@ -29,22 +31,26 @@ Bytes per parameter (stated assumptions):
                       (fp32 accumulation over micro-batches). Not sharded, even with the
                       distributed optimizer: the reduce-scatter writes into the same buffer.
     optimizer   12    fp32 master weights + Adam m and v. With the distributed optimizer dense
-                      parameters are sharded over DP = world / (TP x PP) and expert parameters over
-                      the expert-data-parallel size world / (EP x ETP x PP); without it, unsharded.
+                      parameters are sharded over DP x CP = world / (TP x PP) (Megatron-Core's
+                      data-parallel group with context parallelism) and expert parameters over the
+                      expert-data-parallel size world / (EP x ETP x PP); without it, unsharded.
 
 Activations: the tensors the forward keeps for the backward, itemized for one micro-batch of
-T = micro_batch x seq_len tokens from what this repository's modules save (measured with
-torch.autograd.graph.saved_tensors_hooks on the tiny model; tests/multiprocess/test_plan.py compares).
+T = micro_batch x seq_len / CP tokens on each rank from what this repository's modules save
+(measured with torch.autograd.graph.saved_tensors_hooks on the tiny model;
+tests/multiprocess/test_plan.py compares; the context-parallel items follow models/lightning_cp.py
+and the Llama 3 all-gather scheme of models/softmax_cp.py, see "Context parallelism" below).
 "/SP" means divided by TP under sequence parallelism; a = 2 bytes (bf16); g = bytes of a GEMM
 input, a in bf16 and 1 in fp8 (Transformer Engine saves the fp8 cast of a GEMM's input).
 
     every layer     input and pre-MLP RMSNorm: fp32 input + normalized output + 1/rms, (4+a)H/SP each
-                    mixer input, all-gathered over TP (the full sequence on every TP rank): gH
+                    mixer input, all-gathered over TP (the rank's whole T on every TP rank): gH
     lightning       qkv pre-activation a 3W/TP; q, k, v in fp32 for the kernel 12W/TP; one
                     [heads/TP, d, d] fp32 state per 1024-token chunk; sigmoid(gate) aW/TP; output
                     RMSNorm (4+a)W/TP; its output aW/TP; out_proj input gW/TP. No T x T scores:
                     the kernel keeps q, k, v and chunk states and recomputes block scores in backward.
-    softmax         q, k, v after RoPE a(W + 2 W_kv)/TP; SDPA output aW/TP and log-sum-exp
+    softmax         q, k, v after RoPE a(W + 2 W_kv)/TP (k, v of the whole sequence under CP);
+                    SDPA output aW/TP and log-sum-exp
                     4 heads/TP; o_proj input gW/TP. Flash / memory-efficient SDPA keeps no T x T
                     scores (causal, no explicit mask: the trainer right-pads).
     MoE             router input aH/SP; routing (top-k ids and probs, scores, routing map)
@@ -72,6 +78,30 @@ Recompute:
                 from the fc1 output. GEMM inputs stay.
     full        each layer keeps only its input aH/SP per micro-batch; during the backward one
                 layer of one micro-batch is rebuilt (its "none" activations, counted once).
+
+Context parallelism (--cp N): each sequence is padded to a multiple of 2 CP tokens and split into
+2 CP chunks, each rank holding two (chunk i and chunk 2 CP - 1 - i, the causal load balancing), so
+T above is micro_batch x seq_len / CP and every per-token tensor (norms, mixer input and
+projections, MoE, pipeline boundaries, the RoPE tables of the rank's positions, the layer inputs
+kept under full recompute, the LM head's hidden states and gradient) divides by CP. The fused LM
+head's two logits tiles are of a fixed size; its fp32 weight copy and gradient are not per token.
+Weights, gradients and optimizer states do not change: CP ranks hold the same weights, and the
+distributed optimizer shards over DP x CP. On top of that, per layer and micro-batch sequence:
+    lightning       the kernel runs the rank's two chunks as separate documents (its chunk states
+                    are those of two sequences of seq_len / 2 CP tokens); the two entering states
+                    [heads/TP, d, d] fp32 composed from the other ranks' chunks, and the fp32 query
+                    scaled by the decay that adds them (4W/TP + 4 heads/TP per token: every token
+                    of a document that began on an earlier chunk, all of them on a long
+                    sequence); the 2 CP all-gathered chunk states, held during the layer. None of
+                    this grows with the length beyond the per-token query.
+    softmax         K and V are all-gathered over the CP group: the layer keeps the WHOLE
+                    sequence's keys and values of its kv_heads/TP heads, a 2 W_kv/TP per token of
+                    seq_len, not divided by CP (the queries, the output and the log-sum-exp are
+                    the rank's). Scores per the kernel: the plan assumes a flash kernel
+                    (flash-attn's varlen kernel, which keeps none and takes the grouped K and V
+                    as they are). models/softmax_cp.py's SDPA under an explicit mask also holds a
+                    [T, seq_len] bool mask, quadratic in the length, and K and V repeated to all
+                    heads on CUDA: not counted here.
 
 Pipeline: 1F1B without interleaving; stage p holds min(PP - p, micro-batches) micro-batches in
 flight, so the first stage holds PP and the last stage one (plus the LM head).
@@ -163,7 +193,10 @@ class MemoryPlan:
     params: StageParams
     """Parameters per GPU."""
     data_parallel_size: int
-    """DP = world / (TP x PP): the distributed optimizer's shards of dense parameters."""
+    """DP = world / (TP x PP x CP)."""
+    context_parallel_size: int
+    """CP: the ranks each sequence is split over; the distributed optimizer shards dense parameters
+    over DP x CP."""
     expert_data_parallel_size: int
     """world / (EP x ETP x PP): the distributed optimizer's shards of expert parameters."""
     distributed_optimizer: bool
@@ -201,10 +234,20 @@ class _Dims:
     tp: int
     etp: int
     sp: int  # TP under sequence parallelism, else 1: the split of the hidden states between layers
-    tokens: int  # T = micro_batch * seq_len
+    cp: int
+    row_len: int  # a sequence's tokens, padded to a multiple of 2 CP under context parallelism
     micro_batch: int
-    seq_len: int
     gemm_input_bytes: int
+
+    @property
+    def local_len(self) -> int:
+        """Tokens of each sequence on this rank: its two zigzag chunks under CP."""
+        return self.row_len // self.cp
+
+    @property
+    def tokens(self) -> int:
+        """T: the micro-batch's tokens on this rank."""
+        return self.micro_batch * self.local_len
 
     @property
     def width(self) -> int:
@@ -217,6 +260,14 @@ class _Dims:
     @property
     def vocab_shard(self) -> int:
         return -(-self.model.vocab_size // self.tp)
+
+
+def row_length(seq_len: int, context_parallel_size: int) -> int:
+    """A sequence's length as CP splits it: padded to a multiple of 2 CP (two chunks per rank)."""
+    if context_parallel_size == 1:
+        return seq_len
+    chunks = 2 * context_parallel_size
+    return -(-seq_len // chunks) * chunks
 
 
 def stage_layers(model: HybridModelConfig, pipeline_size: int, stage: int) -> range:
@@ -263,20 +314,32 @@ def _common_items(dims: _Dims) -> list[ActivationItem]:
     return [
         ActivationItem("input RMSNorm", norm, norm_input),
         ActivationItem("pre-MLP RMSNorm", norm, norm_input),
-        ActivationItem("mixer input (whole sequence on each TP rank)", mixer_input, mixer_input),
+        ActivationItem("mixer input (all-gathered over TP)", mixer_input, mixer_input),
     ]
 
 
 def _lightning_items(dims: _Dims) -> list[ActivationItem]:
     model, tokens, a, g = dims.model, dims.tokens, ACTIVATION_BYTES, dims.gemm_input_bytes
-    local_width = dims.width / dims.tp
-    blocks = -(-dims.seq_len // model.lightning_block_size)
-    chunks = -(-blocks // max(1, CHUNK_TOKENS // model.lightning_block_size))
-    states = dims.micro_batch * chunks * (model.num_attention_heads // dims.tp) * model.head_dim**2 * FP32
-    return [
+    local_width, local_heads = dims.width / dims.tp, model.num_attention_heads // dims.tp
+    state = local_heads * model.head_dim**2 * FP32  # one [heads/TP, d, d] fp32 state
+    # Under CP the kernel runs the rank's two zigzag chunks as two documents.
+    pieces = 1 if dims.cp == 1 else 2
+    blocks = -(-dims.local_len // pieces // model.lightning_block_size)
+    chunks = pieces * -(-blocks // max(1, CHUNK_TOKENS // model.lightning_block_size))
+    items = [
         ActivationItem("qkv pre-activation", tokens * a * 3 * local_width, tokens * a * 3 * local_width),
         ActivationItem("q, k, v in fp32 (kernel input)", tokens * FP32 * 3 * local_width, 0),
-        ActivationItem("kernel chunk states", states, 0),
+        ActivationItem("kernel chunk states", dims.micro_batch * chunks * state, 0),
+    ]
+    if dims.cp > 1:
+        carried_query = tokens * FP32 * (local_width + local_heads)
+        items += [
+            ActivationItem("CP: entering states of the 2 chunks", dims.micro_batch * 2 * state, 0),
+            ActivationItem("CP: decayed query of the carried tokens", carried_query, 0),
+            ActivationItem(f"CP: all-gathered chunk states (2 CP = {2 * dims.cp})",
+                           dims.micro_batch * 2 * dims.cp * state, 0),
+        ]
+    return items + [
         ActivationItem("sigmoid(gate)", tokens * a * local_width, tokens * a * local_width),
         ActivationItem("output RMSNorm", tokens * ((FP32 + a) * local_width + FP32), 0),
         ActivationItem("output RMSNorm result (gating operand)", tokens * a * local_width, 0),
@@ -288,9 +351,13 @@ def _softmax_items(dims: _Dims) -> list[ActivationItem]:
     model, tokens, a, g = dims.model, dims.tokens, ACTIVATION_BYTES, dims.gemm_input_bytes
     local_width, local_kv_width = dims.width / dims.tp, dims.kv_width / dims.tp
     local_heads = model.num_attention_heads / dims.tp
-    qkv = tokens * a * (local_width + 2 * local_kv_width)
+    query = tokens * a * local_width
+    # Under CP the keys and values are all-gathered: every rank keeps the whole sequence's.
+    keys_values = dims.micro_batch * dims.row_len * a * 2 * local_kv_width
+    kv_name = "k, v after RoPE" if dims.cp == 1 else "CP: k, v of the whole sequence (all-gathered)"
     return [
-        ActivationItem("q, k, v after RoPE (SDPA input)", qkv, qkv),
+        ActivationItem("q after RoPE (attention input)", query, query),
+        ActivationItem(kv_name, keys_values, keys_values),
         ActivationItem("SDPA output and log-sum-exp", tokens * (a * local_width + FP32 * local_heads), 0),
         ActivationItem("o_proj input", tokens * g * local_width, tokens * g * local_width),
     ]
@@ -391,6 +458,18 @@ def _check_arguments(micro_batch: int, seq_len: int, recompute: str, precision: 
         raise ValueError(f"num_microbatches = {num_microbatches}: it must be at least 1 (or None: at least PP).")
 
 
+def _check_replicas(parallel: ParallelConfig, world_size: int, context_parallel_size: int) -> None:
+    """The world splits into model replicas of TP x PP x CP GPUs (Megatron-Core's model_size)."""
+    replica = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * context_parallel_size
+    if world_size % replica:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size * "
+            f"pipeline_model_parallel_size * context_parallel_size (--cp) = {parallel.tensor_model_parallel_size} "
+            f"* {parallel.pipeline_model_parallel_size} * {context_parallel_size} = {replica}: each model replica "
+            f"spans TP x PP x CP GPUs; use a multiple of {replica} GPUs or a smaller --cp."
+        )
+
+
 def stage_plans(
     model: HybridModelConfig,
     parallel: ParallelConfig,
@@ -403,24 +482,30 @@ def stage_plans(
     distributed_optimizer: bool = True,
     fused_lm_head: bool = False,
     num_microbatches: int | None = None,
+    context_parallel_size: int = 1,
     overhead_bytes: int = int(DEFAULT_OVERHEAD_GIB * GIB),
     capacity_bytes: int = 80 * GIB,
 ) -> list[MemoryPlan]:
     """The memory plan of every pipeline stage (see the module docstring for the accounting).
 
     num_microbatches: micro-batches per optimizer step and data-parallel rank; None assumes at
-    least PP (1F1B's steady state). Raises ValueError for an impossible layout (validate_layout's
-    message) or a bad argument.
+    least PP (1F1B's steady state). context_parallel_size: CP, the ranks each sequence is split
+    over (world_size = TP x PP x CP x DP). Raises ValueError for an impossible layout
+    (validate_layout's message) or a bad argument.
     """
     _check_arguments(micro_batch, seq_len, recompute, precision, num_microbatches)
+    if context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size = {context_parallel_size} (--cp): it must be at least 1.")
     validate_layout(parallel, world_size, model_shape(model))
+    _check_replicas(parallel, world_size, context_parallel_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     dims = _Dims(
-        model=model, tp=tp, etp=parallel.expert_tp,
-        sp=tp if parallel.sequence_parallel else 1, tokens=micro_batch * seq_len, micro_batch=micro_batch,
-        seq_len=seq_len, gemm_input_bytes=1 if precision == "fp8" else ACTIVATION_BYTES,
+        model=model, tp=tp, etp=parallel.expert_tp, sp=tp if parallel.sequence_parallel else 1,
+        cp=context_parallel_size, row_len=row_length(seq_len, context_parallel_size), micro_batch=micro_batch,
+        gemm_input_bytes=1 if precision == "fp8" else ACTIVATION_BYTES,
     )
-    dp = parallel.data_parallel_size(world_size)
+    # Megatron-Core's data-parallel group with CP: the gradients reduce, and the optimizer shards, over DP x CP.
+    dp_with_cp = parallel.data_parallel_size(world_size)
     expert_dp = world_size // (parallel.expert_model_parallel_size * parallel.expert_tp * pp)
     layer_items = {kind: layer_activation_items(dims, kind) for kind in (LIGHTNING, SOFTMAX)}
     plans = []
@@ -430,10 +515,11 @@ def stage_plans(
         params = stage_params(model, parallel, stage)
         in_flight = min(pp - stage, num_microbatches or pp)
         items = _stage_items(dims, stage, kinds, pp, fused_lm_head)
-        optimizer_shards = (dp, expert_dp) if distributed_optimizer else (1, 1)
+        optimizer_shards = (dp_with_cp, expert_dp) if distributed_optimizer else (1, 1)
         plans.append(MemoryPlan(
             stage=stage, num_stages=pp, layer_kinds=kinds, first_layer=layers.start, params=params,
-            data_parallel_size=dp, expert_data_parallel_size=expert_dp,
+            data_parallel_size=dp_with_cp // context_parallel_size, context_parallel_size=context_parallel_size,
+            expert_data_parallel_size=expert_dp,
             distributed_optimizer=distributed_optimizer, micro_batches_in_flight=in_flight,
             weights=WEIGHT_BYTES * params.total,
             fp8_weight_cache=FP8_WEIGHT_CACHE_BYTES * params.gemm if precision == "fp8" else 0,
@@ -452,6 +538,45 @@ def memory_plan(model: HybridModelConfig, parallel: ParallelConfig, world_size: 
     """The plan of the pipeline stage that needs the most memory (arguments as ``stage_plans``)."""
     return max(stage_plans(model, parallel, world_size, micro_batch, seq_len, recompute, precision, **options),
                key=lambda plan: plan.total)
+
+
+def longest_sequence(model: HybridModelConfig, parallel: ParallelConfig, world_size: int, micro_batch: int,
+                     recompute: str = "none", precision: str = "bf16", *, fused_lm_head: bool = False,
+                     context_parallel_size: int = 1, **options) -> int:
+    """The longest sequence, up to model.max_position_embeddings tokens, whose worst pipeline stage
+    fits (arguments as ``stage_plans``); 0 when not even one token does. A binary search: memory
+    grows with the length, except that the fused LM head drops its kept logits once they outgrow
+    LOGITS_KEEP_BYTES, so the lengths above that point are searched first."""
+    def fits(seq_len: int) -> bool:
+        return memory_plan(model, parallel, world_size, micro_batch, seq_len, recompute, precision,
+                           fused_lm_head=fused_lm_head, context_parallel_size=context_parallel_size, **options).fits
+
+    limit = model.max_position_embeddings
+    kept_up_to = 0
+    if fused_lm_head:
+        vocab_shard = -(-model.vocab_size // parallel.tensor_model_parallel_size)
+
+        def keeps_logits(seq_len: int) -> bool:
+            tokens = micro_batch * row_length(seq_len, context_parallel_size) // context_parallel_size
+            return FP32 * tokens * vocab_shard <= LOGITS_KEEP_BYTES
+
+        kept_up_to = _last_true(keeps_logits, 1, limit)
+    longest = _last_true(fits, kept_up_to + 1, limit)
+    return longest if longest > kept_up_to else _last_true(fits, 1, kept_up_to)
+
+
+def _last_true(predicate, low: int, high: int) -> int:
+    """The largest n in [low, high] with predicate(n), for a predicate true up to some n and false
+    after it; low - 1 when predicate(low) is false (or low > high)."""
+    if low > high or not predicate(low):
+        return low - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if predicate(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def rollout_bytes(model: HybridModelConfig, parallel: ParallelConfig, slots: int, max_length: int) -> int:
@@ -474,6 +599,16 @@ def rollout_summary(plan: MemoryPlan, cache_bytes: int, slots: int, max_length: 
     line = (f"rollout: {slots} slots x {max_length} tokens: cache {gib(cache_bytes)} per GPU; with the resident "
             f"{gib(resident)}: {gib(total)} of {gib(plan.capacity)}: " + ("fits" if fits else "DOES NOT FIT"))
     return line, fits
+
+
+def longest_line(longest: int, context_parallel_size: int, limit: int) -> str:
+    """The report's verdict of --longest."""
+    if not longest:
+        return "longest sequence that fits: none (not even 1 token; the plan above is for 1)"
+    per_rank = row_length(longest, context_parallel_size) // context_parallel_size
+    where = f" ({per_rank:,} on each of the {context_parallel_size} CP ranks)" if context_parallel_size > 1 else ""
+    bound = "the model's limit," if longest == limit else "searched up to"
+    return f"longest sequence that fits: {longest:,} tokens{where}; {bound} model.max_position_embeddings = {limit:,}"
 
 
 def human(count: int) -> str:
@@ -512,7 +647,7 @@ def summary(plan: MemoryPlan, all_stages: list[MemoryPlan] | None = None) -> str
     lines += [
         f"  gradients           {gib(plan.gradients):>12}  (fp32 buffer, 4 bytes/param)",
         f"  optimizer states    {gib(plan.optimizer_states):>12}  (fp32 master + Adam m, v = 12 bytes/param; "
-        + (f"dense / DP {plan.data_parallel_size}, experts / expert DP {plan.expert_data_parallel_size})"
+        + (f"dense / {_dense_shards(plan)}, experts / expert DP {plan.expert_data_parallel_size})"
            if plan.distributed_optimizer else "not sharded)"),
         f"  activations         {gib(plan.activations):>12}  (micro-batches in flight: "
         f"{plan.micro_batches_in_flight})",
@@ -525,6 +660,14 @@ def summary(plan: MemoryPlan, all_stages: list[MemoryPlan] | None = None) -> str
     if all_stages and len(all_stages) > 1:
         lines.append("every stage: " + ", ".join(f"{p.stage}: {gib(p.total)}" for p in all_stages))
     return "\n".join(lines)
+
+
+def _dense_shards(plan: MemoryPlan) -> str:
+    """The distributed optimizer's shards of dense parameters, as the report names them."""
+    cp = plan.context_parallel_size
+    if cp == 1:
+        return f"DP {plan.data_parallel_size}"
+    return f"DP x CP {plan.data_parallel_size * cp}"
 
 
 def activation_table(plan: MemoryPlan) -> list[str]:
@@ -565,16 +708,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="minimax-m1", choices=sorted(MODEL_SIZES), help="model size")
-    layout = parser.add_argument_group("parallel layout (world size = TP x PP x DP)")
+    layout = parser.add_argument_group("parallel layout (world size = TP x PP x CP x DP)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     layout.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     layout.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
+    layout.add_argument("--cp", type=_at_least_one, default=1,
+                        help="context-parallel size: each sequence is split over this many ranks")
     layout.add_argument("--dp", type=_at_least_one, default=1, help="data-parallel size")
     layout.add_argument("--sequence-parallel", action="store_true", help="shard norms and residuals over TP")
     batch = parser.add_argument_group("batch")
     batch.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    batch.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (prompt + response)")
+    length = batch.add_mutually_exclusive_group()
+    length.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (prompt + response)")
+    length.add_argument("--longest", action="store_true",
+                        help="search the longest sequence the layout fits (up to model.max_position_embeddings) "
+                             "and plan it")
     batch.add_argument("--num-microbatches", type=int, default=None,
                        help="micro-batches per step and DP rank (default: at least PP, 1F1B's steady state)")
     memory = parser.add_argument_group("memory")
@@ -593,18 +742,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rollout.add_argument("--rollout-slots", type=_at_least_one, default=None,
                          help="sequences decoded together per GPU (rollout.max_running); default: no rollout plan")
     rollout.add_argument("--rollout-length", type=_at_least_one, default=None,
-                         help="longest prompt + response, tokens (default: --seq-len)")
+                         help="longest prompt + response, tokens (default: the plan's sequence length)")
     return parser.parse_args(argv)
 
 
-def describe_run(args: argparse.Namespace, plan: MemoryPlan) -> str:
+def describe_run(args: argparse.Namespace, plan: MemoryPlan, seq_len: int) -> str:
     """The layout and batch the plan is for, as two lines."""
-    world_size = args.tp * args.pp * args.dp
+    world_size = args.tp * args.pp * args.cp * args.dp
+    cp = f" x CP {args.cp}" if args.cp > 1 else ""
+    per_rank = f" ({row_length(seq_len, args.cp) // args.cp} on each CP rank)" if args.cp > 1 else ""
     return (
-        f"{args.model} on {world_size} GPUs = TP {args.tp} x PP {args.pp} x DP {plan.data_parallel_size}; "
+        f"{args.model} on {world_size} GPUs = TP {args.tp} x PP {args.pp}{cp} x DP {plan.data_parallel_size}; "
         f"EP {args.ep}, expert TP {args.etp or args.tp}, expert DP {plan.expert_data_parallel_size}; "
         f"sequence parallel {'on' if args.sequence_parallel else 'off'}\n"
-        f"micro-batch {args.micro_batch} x {args.seq_len} tokens, recompute {args.recompute}, precision "
+        f"micro-batch {args.micro_batch} x {seq_len} tokens{per_rank}, recompute {args.recompute}, precision "
         f"{args.precision}, distributed optimizer {'on' if args.distributed_optimizer else 'off'}, LM head "
         f"{'fused' if args.fused_lm_head else 'unfused (fp32 logits)'}"
     )
@@ -612,25 +763,34 @@ def describe_run(args: argparse.Namespace, plan: MemoryPlan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    world_size = args.tp * args.pp * args.dp
+    world_size = args.tp * args.pp * args.cp * args.dp
+    model = model_config(args.model)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
         sequence_parallel=args.sequence_parallel,
     )
+    options = dict(
+        distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
+        num_microbatches=args.num_microbatches, context_parallel_size=args.cp,
+        overhead_bytes=int(args.overhead_gb * GIB), capacity_bytes=int(args.gpu_memory_gb * GIB),
+    )
+    seq_len = args.seq_len
     with bad_input_exits():
-        plans = stage_plans(
-            model_config(args.model), parallel, world_size, args.micro_batch, args.seq_len, args.recompute,
-            args.precision, distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
-            num_microbatches=args.num_microbatches, overhead_bytes=int(args.overhead_gb * GIB),
-            capacity_bytes=int(args.gpu_memory_gb * GIB),
-        )
+        if args.longest:
+            longest = longest_sequence(model, parallel, world_size, args.micro_batch, args.recompute, args.precision,
+                                       **options)
+            seq_len = max(longest, 1)
+        plans = stage_plans(model, parallel, world_size, args.micro_batch, seq_len, args.recompute, args.precision,
+                            **options)
     worst = max(plans, key=lambda plan: plan.total)
-    print(describe_run(args, worst))
+    print(describe_run(args, worst, seq_len))
     print(summary(worst, plans))
+    if args.longest:
+        print(longest_line(longest, args.cp, model.max_position_embeddings))
     rollout_fits = True
     if args.rollout_slots is not None:
-        length = args.rollout_length or args.seq_len
+        length = args.rollout_length or seq_len
         cache = rollout_bytes(model_config(args.model), parallel, args.rollout_slots, length)
         line, rollout_fits = rollout_summary(worst, cache, args.rollout_slots, length)
         print(line)
