@@ -30,7 +30,7 @@ import torch
 from megacispo.models.config import model_config
 from megacispo.models.lightning import lightning_attention, lightning_decay_rates
 from megacispo.models.lightning_cp import lightning_attention_cp, lightning_cp_state_bytes
-from megacispo.models.softmax_cp import zigzag_positions
+from megacispo.parallel.context import zigzag_positions
 from megacispo.testing.harness import run_distributed
 
 STATE_BYTES = 4  # fp32: the mixer runs lightning attention in fp32 whatever the model's dtype

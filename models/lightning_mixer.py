@@ -9,6 +9,12 @@ Tensor parallelism splits the heads: qkv_proj and output_gate are column-paralle
 rows, so a contiguous row block is a block of whole heads), out_proj is row-parallel, and the
 RMSNorm's mean of squares is summed over the TP group. The attention itself runs in fp32 (or
 fp64 in an fp64 model) whatever the model's dtype: the state accumulates over the whole sequence.
+
+Context parallelism (a packed row whose packed_seq_params.cp_group is set, HybridModel's training
+forward at CP > 1) splits the sequence instead: each rank runs its two zigzag chunks and takes the
+state entering them from the earlier chunks' states, ``models.lightning_cp.lightning_attention_cp``
+(LASP-2). A layer sends 2 [heads, d, d] fp32 states per rank per call, whatever the length, and
+reads the row's cu_seqlens on the host once (a device sync where it lives on the GPU).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from megacispo.models.lightning import (
     lightning_state_step,
     lightning_step_decay,
 )
+from megacispo.models.lightning_cp import lightning_attention_cp
 
 
 @dataclass
@@ -112,7 +119,8 @@ class LightningMixer(MegatronModule):
     ) -> torch.Tensor:
         """hidden_states [s(/TP), b, H]; attention_mask [b, s] bool, True for real tokens (pads get zero
         q, k, v, so they add nothing to the state); packed_seq_params: documents packed in batch 1
-        (the state resets at each cu_seqlens_q boundary); inference_context: the decoding cache."""
+        (the state resets at each cu_seqlens_q boundary), with cp_group set this CP rank's zigzag
+        tokens of a row whose cu_seqlens_q covers all of it; inference_context: the decoding cache."""
         full = enter_tensor_parallel_region(hidden_states, self.config.sequence_parallel, self.tp_group)
         seq_len, batch = full.shape[:2]
         qkv, _ = self.qkv_proj(full)  # [s, b, heads * 3d]
@@ -155,6 +163,11 @@ class LightningMixer(MegatronModule):
         packed_seq_params: PackedSeqParams | None,
         cache: InferenceCache | None,
     ) -> torch.Tensor:
+        if packed_seq_params is not None and packed_seq_params.cp_group is not None:
+            return lightning_attention_cp(
+                q, k, v, self.decay_rates(q.device).to(q.dtype), packed_seq_params.cu_seqlens_q,
+                packed_seq_params.cp_group, block_size=self.block_size,
+            )
         state = None if cache is None else cache.lightning_states.get(self.layer_idx)
         if state is not None and q.shape[1] == 1:
             out, state = lightning_state_step(q[:, 0], k[:, 0], v[:, 0], self.step_decay(q.device, q.dtype), state)

@@ -18,6 +18,17 @@ row: the rollout's slot engine refills a finished row with a new prompt's prefil
 It runs on the training model itself (a model built with sequence parallelism decodes as a plain
 TP model); under pipeline parallelism the stages decode one after the other.
 
+Context parallelism (CP, the pg_collection's ``cp`` group of size > 1) splits the training
+forwards (no inference_context) along the sequence: each CP rank gets its zigzag share
+(``megacispo.parallel.context.zigzag_positions``) of one packed row, and ``forward`` hands the
+layers packed_seq_params whose ``cp_group`` is that group. Lightning layers exchange their chunk
+states (models/lightning_cp.py: 2 [heads, d, d] fp32 states sent per rank and layer, whatever the
+length), softmax layers all-gather K and V of the whole row (models/softmax_cp.py: [N, kv heads, d]
+each per rank and layer, and a [N / CP, N] bool mask), RoPE takes each token's position within its
+document; the embedding, norms, MoE and LM head are per token. What it saves: every activation but
+the softmax layers' gathered K and V is divided by CP. Decoding never splits: each CP rank decodes
+its own sequences whole, as a plain model (the rollouts use CP ranks as generation replicas).
+
 A decode step at TP = 1 in eval mode takes a lean path: the same modules and parameters, called
 through their ``step`` methods (plain matmuls on the weights, the router's math without Megatron's
 router module, no TransformerBlock), which compute what the Megatron modules compute for one token
@@ -28,6 +39,7 @@ Megatron modules; ``lean_decode = False`` forces them for decode steps too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import torch
@@ -48,6 +60,7 @@ from megacispo.models.decoder_layer import block_spec
 from megacispo.models.experts import SkipEmptySequentialMLP
 from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32
 from megacispo.models.routing import LayerRoutes, RoutingTargets, local_targets
+from megacispo.parallel.context import positions_in_documents, zigzag_positions
 from megacispo.parallel.layout import broadcast_from_last_stage
 
 
@@ -91,6 +104,8 @@ class HybridModel(LanguageModule):
             pg_collection=self.pg_collection,
             vp_stage=vp_stage,
         )
+        # Megatron's collection leaves a group it was not given unset (an AttributeError on access).
+        self._cp_group = getattr(self.pg_collection, "cp", None)
         self._has_softmax_layers = any(
             hybrid_config.layer_kind(layer.layer_number - 1) == SOFTMAX for layer in self.decoder.layers
         )
@@ -141,7 +156,8 @@ class HybridModel(LanguageModule):
         routing: RoutingTargets | None = None,
         **unused,
     ) -> torch.Tensor:
-        """input_ids [b, s]; position_ids [b, s] (default 0..s-1, or per document when packed);
+        """input_ids [b, s]; position_ids [b, s] (default 0..s-1, or per document when packed; the RoPE
+        positions: the layers take the documents from packed_seq_params);
         attention_mask [b, s], True (1) for real tokens, None when all are (HF's meaning, not
         Megatron's [b, 1, s, s]); labels [b, s]; packed_seq_params: documents packed into batch 1
         (cu_seqlens_q), each attending only to itself; padding_mask [b, s] bool, True at padding
@@ -158,8 +174,18 @@ class HybridModel(LanguageModule):
         [s(/TP), b, H] for the next stage. routing: the rollout's expert choices of this stage's
         layers, compared with the routers' own (``take_route_counts``) and replayed as it says
         (models/routing.py); None: the routers choose freely.
+
+        Under context parallelism (CP > 1) a training forward (no inference_context) takes this CP
+        rank's tokens of one packed row of N tokens: input_ids [1, N / CP] at
+        ``zigzag_positions(N, CP, cp_rank)`` (N a multiple of 2 * CP, and of 2 * CP * TP under
+        sequence parallelism), padding_mask, labels and routing sliced alike, and packed_seq_params
+        with the GLOBAL cu_seqlens_q over all N positions (every CP rank the same). It returns what
+        it returns without CP for those tokens: [1, N / CP, ...], or hidden states [N / CP(/TP), 1, H].
+        Megatron's schedule multiplies a 2-tuple loss by CP and DDP averages over DP x CP, so each
+        rank's loss is the sum over its own tokens (divided as the trainer normalizes).
         """
         seq_len = input_ids.shape[1]
+        packed_seq_params = self._layer_packed_seq_params(input_ids, packed_seq_params, inference_context)
         if position_ids is None:
             position_ids = _default_positions(input_ids, packed_seq_params)
         if attention_mask is not None:
@@ -186,6 +212,29 @@ class HybridModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _layer_packed_seq_params(
+        self, input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None, inference_context
+    ) -> PackedSeqParams | None:
+        """packed_seq_params as the layers take them: ``cp_group`` is the model's CP group when this
+        forward splits the row over it (CP > 1, training: no inference_context), else None (decoding
+        runs each CP rank's own sequences whole)."""
+        splits = self._cp_group is not None and self._cp_group.size() > 1 and inference_context is None
+        if splits and packed_seq_params is None:
+            raise ValueError(
+                f"context_parallel_size = {self._cp_group.size()}: a training forward takes this CP rank's zigzag "
+                f"share of a packed row, so it needs packed_seq_params with the whole row's cu_seqlens_q; pack the "
+                f"micro-batch (one row, its documents' offsets), or pass inference_context to decode without CP."
+            )
+        if splits and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"context_parallel_size = {self._cp_group.size()}: input_ids has {input_ids.shape[0]} rows, but a "
+                f"context-parallel forward takes one packed row, [1, tokens / CP]: concatenate the sequences."
+            )
+        group = self._cp_group if splits else None
+        if packed_seq_params is None or packed_seq_params.cp_group is group:
+            return packed_seq_params
+        return dataclasses.replace(packed_seq_params, cp_group=group)
 
     def _local_padding_mask(self, padding_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """padding_mask [b, s] -> the part of it this rank's MoE layers see: [b, s / TP], this rank's
@@ -509,14 +558,17 @@ class HybridModel(LanguageModule):
 
 
 def _default_positions(input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
-    """0..s-1, restarting at each packed document."""
+    """[1, s]: 0..s-1, restarting at each packed document; under context parallelism
+    (packed_seq_params.cp_group set) those of this CP rank's zigzag tokens of the whole row."""
     seq_len = input_ids.shape[1]
-    index = torch.arange(seq_len, device=input_ids.device)
     if packed_seq_params is None:
-        return index[None]
-    cu_seqlens = packed_seq_params.cu_seqlens_q.to(device=input_ids.device, dtype=torch.long)
-    starts = torch.repeat_interleave(cu_seqlens[:-1], torch.diff(cu_seqlens))
-    return (index - starts)[None]
+        return torch.arange(seq_len, device=input_ids.device)[None]
+    group = packed_seq_params.cp_group
+    if group is None:
+        positions = torch.arange(seq_len, device=input_ids.device)
+    else:
+        positions = zigzag_positions(seq_len * group.size(), group.size(), group.rank(), device=input_ids.device)
+    return positions_in_documents(packed_seq_params.cu_seqlens_q, positions)[None]
 
 
 def _check_left_padded(attention_mask: torch.Tensor) -> None:

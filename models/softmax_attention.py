@@ -4,9 +4,13 @@ rotary_dim channels of each head, scale 1/sqrt(head_dim), causal, torch's
 scaled_dot_product_attention, row-parallel o_proj. A KV cache serves decoding.
 
 Packed rows (documents laid end to end in batch 1, packed_seq_params) attend causally within each
-document; ``attend_documents`` picks the kernel by device. The Transformer Engine backend
-(models/te_specs.py) swaps only the projections for TE linears, so its packed rows take the same
-path.
+document; ``attend_documents`` picks the kernel by device. Under context parallelism (a packed row
+whose packed_seq_params.cp_group is set, HybridModel's training forward at CP > 1) each rank holds
+its zigzag share of the row and attends through ``models.softmax_cp.attention_cp``: K and V of the
+whole row all-gathered over the CP group ([1, kv heads, N, d] each per rank, and a
+[1, 1, N / CP, N] bool mask), dK and dV reduce-scattered back. The Transformer Engine backend
+(models/te_specs.py) swaps only the projections for TE linears, so its packed and context-parallel
+rows take the same paths.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from megacispo.models.layers import (
     local_column_parallel_linear,
     row_parallel_linear,
 )
-from megacispo.models.softmax_cp import document_causal_mask, masked_attention, packed_document_ids
+from megacispo.models.softmax_cp import attention_cp, document_causal_mask, masked_attention
+from megacispo.parallel.context import packed_document_ids, zigzag_positions
 
 
 @dataclass
@@ -81,7 +86,8 @@ class SoftmaxAttention(MegatronModule):
     ) -> torch.Tensor:
         """hidden_states [s(/TP), b, H]; attention_mask [b, s] bool, True for real tokens (pad keys are
         masked); rotary_pos_cos / _sin [b, s, rotary_dim] for the full sequence; packed_seq_params:
-        documents packed in batch 1 (attention stays inside each document); inference_context: the
+        documents packed in batch 1 (attention stays inside each document), with cp_group set this
+        CP rank's zigzag tokens of a row whose cu_seqlens_q covers all of it; inference_context: the
         decoding cache, whose valid_mask already covers these tokens."""
         full = enter_tensor_parallel_region(hidden_states, self.config.sequence_parallel, self.tp_group)
         seq_len, batch = full.shape[:2]
@@ -92,6 +98,8 @@ class SoftmaxAttention(MegatronModule):
         if inference_context is not None:
             k, v = inference_context.extend_kv(self.layer_idx, k, v)
             out = self._attend(q, k, v, _padded_causal_mask(inference_context.valid_mask, seq_len))
+        elif packed_seq_params is not None and packed_seq_params.cp_group is not None:
+            out = self._attend_cp(q, k, v, packed_seq_params)
         elif packed_seq_params is not None:
             out = attend_documents(
                 q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q, self.head_dim**-0.5
@@ -126,6 +134,14 @@ class SoftmaxAttention(MegatronModule):
         mask = cache.valid_mask[:, None, None, :] if cache.has_padding else None
         out = self._attend(q, k, v, mask, causal=False)  # [b, heads, 1, d]
         return F.linear(out.reshape(batch, -1), self.o_proj.weight)
+
+    def _attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_seq_params: PackedSeqParams):
+        """This CP rank's zigzag tokens q [1, heads, s, d], k and v [1, kv heads, s, d] of a packed row
+        of s * CP tokens split over packed_seq_params.cp_group -> [1, heads, s, d]."""
+        group = packed_seq_params.cp_group
+        positions = zigzag_positions(q.shape[2] * group.size(), group.size(), group.rank(), device=q.device)
+        documents = packed_document_ids(packed_seq_params.cu_seqlens_q.to(q.device), positions)
+        return attention_cp(q, k, v, positions, documents, group, self.head_dim**-0.5)
 
     def _heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[s, b, heads * d] -> [b, heads, s, d]."""

@@ -2,11 +2,12 @@
 masks it shares with packed attention on one rank (models.softmax_attention).
 
 A packed row of N tokens (N a multiple of 2 * CP) is cut into 2 * CP equal chunks; CP rank i holds
-chunk i and chunk 2 * CP - 1 - i, concatenated (``zigzag_positions``), so that every rank has the
-same share of the causal work, as Megatron-Core's CP does. ``attention_cp`` all-gathers K and V over
-the CP group, lets this rank's queries attend to the whole row's keys under the causal mask of
-their GLOBAL positions restricted to their own document (documents may cross chunk and rank
-boundaries), and in the backward reduce-scatters dK and dV to the ranks that own those tokens.
+chunk i and chunk 2 * CP - 1 - i, concatenated (``megacispo.parallel.context.zigzag_positions``),
+so that every rank has the same share of the causal work, as Megatron-Core's CP does.
+``attention_cp`` all-gathers K and V over the CP group, lets this rank's queries attend to the
+whole row's keys under the causal mask of their GLOBAL positions restricted to their own document
+(documents may cross chunk and rank boundaries), and in the backward reduce-scatters dK and dV to
+the ranks that own those tokens.
 
 Memory per rank: K and V of the whole row ([b, kv heads, N, d] each, repeated to all heads on CUDA,
 see ``masked_attention``) and a [b, 1, N / CP, N] bool mask; the scores are those of SDPA's kernel
@@ -19,29 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-
-def zigzag_positions(
-    seq_len: int, cp_size: int, cp_rank: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """[seq_len / cp_size] long: the positions in the packed row of CP rank ``cp_rank``'s tokens,
-    chunk cp_rank then chunk 2 * cp_size - 1 - cp_rank of 2 * cp_size equal chunks."""
-    if seq_len % (2 * cp_size):
-        raise ValueError(
-            f"a packed row of {seq_len} tokens cannot be split over context_parallel_size = {cp_size}: "
-            f"its length must be a multiple of 2 * {cp_size} = {2 * cp_size}; pad the row to "
-            f"{-(-seq_len // (2 * cp_size)) * 2 * cp_size} tokens with a padding document."
-        )
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
-    return torch.cat([first, second])
-
-
-def packed_document_ids(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The document (0, 1, ...) of each token at ``positions`` of a packed row whose documents end at
-    cu_seqlens[1:] (cumulative offsets, as flash-attn's varlen API). No host sync."""
-    return torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
 
 
 def document_causal_mask(
@@ -87,9 +65,10 @@ def attention_cp(
 
     q [b, heads, s, d], k and v [b, kv heads, s, d]: this rank's s tokens (any split of the row
     works, zigzag balances the work); positions and document_ids [s] (or [b, s]) long: each token's
-    position in the packed row (``zigzag_positions``; positions restarting per document give the
-    same mask) and its document (``packed_document_ids``). K and V travel in one all-gather (their
-    gradients in one reduce-scatter), positions and documents in another, without gradients."""
+    position in the packed row (``parallel.context.zigzag_positions``; positions restarting per
+    document give the same mask) and its document (``parallel.context.packed_document_ids``). K and
+    V travel in one all-gather (their gradients in one reduce-scatter), positions and documents in
+    another, without gradients."""
     lengths = {q.shape[2], k.shape[2], v.shape[2], positions.shape[-1], document_ids.shape[-1]}
     if len(lengths) != 1:
         raise ValueError(

@@ -9,6 +9,13 @@ fp32 with model.fp32_lm_head), the router (Megatron's TopKRouter, an fp32 torch 
 projections (TE's LayerNormLinear): the scaled post-norm residual needs the normalized input
 itself, and each mixer feeds two to four projections from it.
 
+Context parallelism takes these layers as it takes the local ones: everything here is per token,
+and the context-parallel exchanges (chunk states, K and V) happen in the project's own attention
+kernels, outside FP8. Megatron's fp8_autocast reduces the FP8 amax over the CP ranks too
+(get_amax_reduction_group(with_context_parallel=True)), so CP ranks keep the same scales. The
+alignment Transformer Engine's FP8 GEMMs ask of the token count applies to each rank's share of
+the row, N / CP (/ TP under sequence parallelism), not to N.
+
 Nothing here imports transformer_engine, or Megatron's TE extension, until a layer is built: the
 specs name the builders and, for the experts, the classes by module path (Megatron's build_module
 imports a ``(module, name)`` pair when it builds), so a spec can be made and inspected on a machine

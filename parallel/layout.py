@@ -32,6 +32,8 @@ class ParallelConfig:
     (validate_layout says what it would need)."""
     sequence_parallel: bool = False
     """Shard norms, residuals and dropout along the sequence across the TP group (needs TP > 1)."""
+    context_parallel_size: int = 1
+    """CP: each packed row of the training passes is split over this many ranks (zigzag chunks), which hold the same weights."""
     distributed_timeout_minutes: int = 30
     """A collective that waits longer than this fails instead of hanging."""
 
@@ -40,8 +42,13 @@ class ParallelConfig:
         """The expert TP size in effect (expert_tensor_parallel_size, or TP when it is unset)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
+    @property
+    def model_parallel_size(self) -> int:
+        """The processes of one model replica: TP x PP x CP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return world_size // self.model_parallel_size
 
 
 @dataclass(frozen=True)
@@ -60,21 +67,24 @@ def validate_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape
     ``world_size`` processes. Called at start-up, before any process group or model exists."""
     tp = parallel.tensor_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     ep = parallel.expert_model_parallel_size
     etp = parallel.expert_tp
     for field, size in (
         ("tensor_model_parallel_size", tp),
         ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
         ("expert_model_parallel_size", ep),
         ("expert_tensor_parallel_size", etp),
     ):
         if size < 1:
             raise ValueError(f"parallel.{field} = {size}: it must be at least 1.")
-    if world_size % (tp * pp):
+    if world_size % parallel.model_parallel_size:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size * "
-            f"pipeline_model_parallel_size = {tp} * {pp} = {tp * pp}: launch a multiple of {tp * pp} "
-            f"processes or change TP/PP."
+            f"pipeline_model_parallel_size * context_parallel_size = {tp} * {pp} * {cp} = "
+            f"{parallel.model_parallel_size}: launch a multiple of {parallel.model_parallel_size} processes or "
+            f"change TP/PP/CP."
         )
     if world_size % (etp * ep * pp):
         raise ValueError(_expert_grid_error(parallel, world_size))
@@ -190,6 +200,7 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> torch.device:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         distributed_timeout_minutes=parallel.distributed_timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

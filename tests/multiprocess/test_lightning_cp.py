@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megacispo.models.lightning import lightning_attention_reference, lightning_decay_rates
-from megacispo.models.softmax_cp import zigzag_positions
+from megacispo.parallel.context import zigzag_positions
 from megacispo.testing.harness import run_distributed
 
 HEADS, HEAD_DIM = 3, 4

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megacispo.models.softmax_attention import attend_documents
-from megacispo.models.softmax_cp import attention_cp, packed_document_ids, zigzag_positions
+from megacispo.models.softmax_cp import attention_cp
+from megacispo.parallel.context import packed_document_ids, zigzag_positions
 from megacispo.parallel.layout import ParallelConfig, init_distributed
 from megacispo.testing.harness import run_distributed
 
