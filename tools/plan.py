@@ -193,10 +193,10 @@ class MemoryPlan:
     params: StageParams
     """Parameters per GPU."""
     data_parallel_size: int
-    """DP = world / (TP x PP x CP)."""
+    """DP = world / (TP x PP x CP), ParallelConfig.data_parallel_size."""
     context_parallel_size: int
-    """CP: the ranks each sequence is split over; the distributed optimizer shards dense parameters
-    over DP x CP."""
+    """CP, parallel.context_parallel_size: the ranks each sequence is split over; the distributed
+    optimizer shards dense parameters over DP x CP."""
     expert_data_parallel_size: int
     """world / (EP x ETP x PP): the distributed optimizer's shards of expert parameters."""
     distributed_optimizer: bool
@@ -458,18 +458,6 @@ def _check_arguments(micro_batch: int, seq_len: int, recompute: str, precision: 
         raise ValueError(f"num_microbatches = {num_microbatches}: it must be at least 1 (or None: at least PP).")
 
 
-def _check_replicas(parallel: ParallelConfig, world_size: int, context_parallel_size: int) -> None:
-    """The world splits into model replicas of TP x PP x CP GPUs (Megatron-Core's model_size)."""
-    replica = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * context_parallel_size
-    if world_size % replica:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size * "
-            f"pipeline_model_parallel_size * context_parallel_size (--cp) = {parallel.tensor_model_parallel_size} "
-            f"* {parallel.pipeline_model_parallel_size} * {context_parallel_size} = {replica}: each model replica "
-            f"spans TP x PP x CP GPUs; use a multiple of {replica} GPUs or a smaller --cp."
-        )
-
-
 def stage_plans(
     model: HybridModelConfig,
     parallel: ParallelConfig,
@@ -482,30 +470,28 @@ def stage_plans(
     distributed_optimizer: bool = True,
     fused_lm_head: bool = False,
     num_microbatches: int | None = None,
-    context_parallel_size: int = 1,
     overhead_bytes: int = int(DEFAULT_OVERHEAD_GIB * GIB),
     capacity_bytes: int = 80 * GIB,
 ) -> list[MemoryPlan]:
     """The memory plan of every pipeline stage (see the module docstring for the accounting).
 
     num_microbatches: micro-batches per optimizer step and data-parallel rank; None assumes at
-    least PP (1F1B's steady state). context_parallel_size: CP, the ranks each sequence is split
-    over (world_size = TP x PP x CP x DP). Raises ValueError for an impossible layout
-    (validate_layout's message) or a bad argument.
+    least PP (1F1B's steady state). Context parallelism is parallel.context_parallel_size (CP, the
+    ranks each sequence is split over; world_size = TP x PP x CP x DP). Raises ValueError for an
+    impossible layout (validate_layout's message) or a bad argument.
     """
     _check_arguments(micro_batch, seq_len, recompute, precision, num_microbatches)
-    if context_parallel_size < 1:
-        raise ValueError(f"context_parallel_size = {context_parallel_size} (--cp): it must be at least 1.")
     validate_layout(parallel, world_size, model_shape(model))
-    _check_replicas(parallel, world_size, context_parallel_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     dims = _Dims(
         model=model, tp=tp, etp=parallel.expert_tp, sp=tp if parallel.sequence_parallel else 1,
-        cp=context_parallel_size, row_len=row_length(seq_len, context_parallel_size), micro_batch=micro_batch,
+        cp=cp, row_len=row_length(seq_len, cp), micro_batch=micro_batch,
         gemm_input_bytes=1 if precision == "fp8" else ACTIVATION_BYTES,
     )
+    dp = parallel.data_parallel_size(world_size)
     # Megatron-Core's data-parallel group with CP: the gradients reduce, and the optimizer shards, over DP x CP.
-    dp_with_cp = parallel.data_parallel_size(world_size)
+    dp_with_cp = dp * cp
     expert_dp = world_size // (parallel.expert_model_parallel_size * parallel.expert_tp * pp)
     layer_items = {kind: layer_activation_items(dims, kind) for kind in (LIGHTNING, SOFTMAX)}
     plans = []
@@ -518,8 +504,7 @@ def stage_plans(
         optimizer_shards = (dp_with_cp, expert_dp) if distributed_optimizer else (1, 1)
         plans.append(MemoryPlan(
             stage=stage, num_stages=pp, layer_kinds=kinds, first_layer=layers.start, params=params,
-            data_parallel_size=dp_with_cp // context_parallel_size, context_parallel_size=context_parallel_size,
-            expert_data_parallel_size=expert_dp,
+            data_parallel_size=dp, context_parallel_size=cp, expert_data_parallel_size=expert_dp,
             distributed_optimizer=distributed_optimizer, micro_batches_in_flight=in_flight,
             weights=WEIGHT_BYTES * params.total,
             fp8_weight_cache=FP8_WEIGHT_CACHE_BYTES * params.gemm if precision == "fp8" else 0,
@@ -542,22 +527,25 @@ def memory_plan(model: HybridModelConfig, parallel: ParallelConfig, world_size: 
 
 def longest_sequence(model: HybridModelConfig, parallel: ParallelConfig, world_size: int, micro_batch: int,
                      recompute: str = "none", precision: str = "bf16", *, fused_lm_head: bool = False,
-                     context_parallel_size: int = 1, **options) -> int:
+                     **options) -> int:
     """The longest sequence, up to model.max_position_embeddings tokens, whose worst pipeline stage
     fits (arguments as ``stage_plans``); 0 when not even one token does. A binary search: memory
     grows with the length, except that the fused LM head drops its kept logits once they outgrow
     LOGITS_KEEP_BYTES, so the lengths above that point are searched first."""
     def fits(seq_len: int) -> bool:
         return memory_plan(model, parallel, world_size, micro_batch, seq_len, recompute, precision,
-                           fused_lm_head=fused_lm_head, context_parallel_size=context_parallel_size, **options).fits
+                           fused_lm_head=fused_lm_head, **options).fits
 
+    # The layout first: the kept logits' bound below divides by CP.
+    validate_layout(parallel, world_size, model_shape(model))
     limit = model.max_position_embeddings
+    cp = parallel.context_parallel_size
     kept_up_to = 0
     if fused_lm_head:
         vocab_shard = -(-model.vocab_size // parallel.tensor_model_parallel_size)
 
         def keeps_logits(seq_len: int) -> bool:
-            tokens = micro_batch * row_length(seq_len, context_parallel_size) // context_parallel_size
+            tokens = micro_batch * row_length(seq_len, cp) // cp
             return FP32 * tokens * vocab_shard <= LOGITS_KEEP_BYTES
 
         kept_up_to = _last_true(keeps_logits, 1, limit)
@@ -713,8 +701,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     layout.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     layout.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
-    layout.add_argument("--cp", type=_at_least_one, default=1,
-                        help="context-parallel size: each sequence is split over this many ranks")
+    layout.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size (parallel.context_parallel_size): each sequence is split over "
+                             "this many ranks")
     layout.add_argument("--dp", type=_at_least_one, default=1, help="data-parallel size")
     layout.add_argument("--sequence-parallel", action="store_true", help="shard norms and residuals over TP")
     batch = parser.add_argument_group("batch")
@@ -746,11 +735,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def describe_run(args: argparse.Namespace, plan: MemoryPlan, seq_len: int) -> str:
+def describe_run(args: argparse.Namespace, plan: MemoryPlan, world_size: int, seq_len: int) -> str:
     """The layout and batch the plan is for, as two lines."""
-    world_size = args.tp * args.pp * args.cp * args.dp
-    cp = f" x CP {args.cp}" if args.cp > 1 else ""
-    per_rank = f" ({row_length(seq_len, args.cp) // args.cp} on each CP rank)" if args.cp > 1 else ""
+    context = plan.context_parallel_size
+    cp = f" x CP {context}" if context > 1 else ""
+    per_rank = f" ({row_length(seq_len, context) // context} on each CP rank)" if context > 1 else ""
     return (
         f"{args.model} on {world_size} GPUs = TP {args.tp} x PP {args.pp}{cp} x DP {plan.data_parallel_size}; "
         f"EP {args.ep}, expert TP {args.etp or args.tp}, expert DP {plan.expert_data_parallel_size}; "
@@ -763,16 +752,16 @@ def describe_run(args: argparse.Namespace, plan: MemoryPlan, seq_len: int) -> st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    world_size = args.tp * args.pp * args.cp * args.dp
     model = model_config(args.model)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sequence_parallel, context_parallel_size=args.cp,
     )
+    world_size = parallel.model_parallel_size * args.dp
     options = dict(
         distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
-        num_microbatches=args.num_microbatches, context_parallel_size=args.cp,
+        num_microbatches=args.num_microbatches,
         overhead_bytes=int(args.overhead_gb * GIB), capacity_bytes=int(args.gpu_memory_gb * GIB),
     )
     seq_len = args.seq_len
@@ -784,10 +773,10 @@ def main(argv: list[str] | None = None) -> int:
         plans = stage_plans(model, parallel, world_size, args.micro_batch, seq_len, args.recompute, args.precision,
                             **options)
     worst = max(plans, key=lambda plan: plan.total)
-    print(describe_run(args, worst, seq_len))
+    print(describe_run(args, worst, world_size, seq_len))
     print(summary(worst, plans))
     if args.longest:
-        print(longest_line(longest, args.cp, model.max_position_embeddings))
+        print(longest_line(longest, parallel.context_parallel_size, model.max_position_embeddings))
     rollout_fits = True
     if args.rollout_slots is not None:
         length = args.rollout_length or seq_len

@@ -117,6 +117,8 @@ def test_minimax_m1_512_gpus_worst_stage_by_hand():
         (ParallelConfig(tensor_model_parallel_size=8, sequence_parallel=True), 8),  # 4 heads
         (ParallelConfig(tensor_model_parallel_size=2), 2),  # MoE under TP without sequence parallelism
         (ParallelConfig(pipeline_model_parallel_size=3), 3),  # 8 layers
+        (ParallelConfig(context_parallel_size=0), 1),
+        (ParallelConfig(context_parallel_size=3), 4),  # world not divisible by TP x PP x CP
     ],
 )
 def test_impossible_layouts_raise_validate_layouts_error(layout, world_size):

@@ -4,6 +4,8 @@ a fixed world size, and the bad input (tests/multiprocess/test_plan.py has the r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megacispo.models.config import model_config
@@ -19,15 +21,20 @@ M1_OPTIONS = dict(recompute="full", distributed_optimizer=True, fused_lm_head=Tr
 STATE = 4 * 16 * 16 * 4  # one [heads, d, d] fp32 state
 
 
+def _m1_512(cp: int) -> ParallelConfig:
+    return dataclasses.replace(M1_512, context_parallel_size=cp)
+
+
 def _items(stage_plan, kind: str) -> dict[str, float]:
     return {item.name: item.none for item in stage_plan.layer_items[kind]}
 
 
 def test_cp_divides_the_per_token_activations_of_a_lightning_stack():
     lightning_only = model_config("tiny", layer_pattern="L")
-    layout = ParallelConfig(pipeline_model_parallel_size=2)  # stage 0: 4 layers and the stage output, no LM head
-    # 4 GPUs: DP 2 at CP 1, DP 1 at CP 2.
-    one, two = (plan.stage_plans(lightning_only, layout, 4, 1, 4096, context_parallel_size=cp)[0] for cp in (1, 2))
+    # Stage 0 of PP 2: 4 layers and the stage output, no LM head. 4 GPUs: DP 2 at CP 1, DP 1 at CP 2.
+    layouts = (ParallelConfig(pipeline_model_parallel_size=2, context_parallel_size=cp) for cp in (1, 2))
+    one, two = (plan.stage_plans(lightning_only, layout, 4, 1, 4096)[0] for layout in layouts)
+    assert (one.data_parallel_size, two.data_parallel_size) == (2, 1)
     assert 0.5 < two.activations / one.activations < 0.55
     items_one, items_two = _items(one, "L"), _items(two, "L")
     for name, size in items_one.items():
@@ -44,7 +51,7 @@ def test_cp_divides_the_per_token_activations_of_a_lightning_stack():
 
 def test_softmax_layers_keep_the_whole_sequences_keys_and_values():
     tiny = model_config("tiny")
-    one, two = (plan.stage_plans(tiny, ParallelConfig(), cp, 1, 4096, context_parallel_size=cp)[0] for cp in (1, 2))
+    one, two = (plan.stage_plans(tiny, ParallelConfig(context_parallel_size=cp), cp, 1, 4096)[0] for cp in (1, 2))
     items_one, items_two = _items(one, "S"), _items(two, "S")
     whole_sequence = 4096 * 2 * 2 * 32  # tokens x bf16 x (k, v) x 2 KV heads of 16
     assert items_one["k, v after RoPE"] == whole_sequence
@@ -56,23 +63,23 @@ def test_softmax_layers_keep_the_whole_sequences_keys_and_values():
 def test_a_sequence_is_padded_to_two_chunks_per_cp_rank():
     assert [plan.row_length(n, 4) for n in (1, 8, 9, 100)] == [8, 8, 16, 104]
     assert plan.row_length(9, 1) == 9
-    padded, exact = (plan.memory_plan(model_config("tiny"), ParallelConfig(), 4, 1, n, context_parallel_size=4)
+    padded, exact = (plan.memory_plan(model_config("tiny"), ParallelConfig(context_parallel_size=4), 4, 1, n)
                      for n in (1001, 1008))
     assert padded.activations == exact.activations
 
 
 def test_the_longest_sequence_fits_and_one_chunk_more_does_not():
     m1 = model_config("minimax-m1")
-    cp = 4
-    longest = plan.longest_sequence(m1, M1_512, 512, 1, context_parallel_size=cp, **M1_OPTIONS)
-    assert longest % (2 * cp) == 0
-    assert plan.memory_plan(m1, M1_512, 512, 1, longest, context_parallel_size=cp, **M1_OPTIONS).fits
-    assert not plan.memory_plan(m1, M1_512, 512, 1, longest + 1, context_parallel_size=cp, **M1_OPTIONS).fits
+    layout = _m1_512(4)
+    longest = plan.longest_sequence(m1, layout, 512, 1, **M1_OPTIONS)
+    assert longest % (2 * 4) == 0
+    assert plan.memory_plan(m1, layout, 512, 1, longest, **M1_OPTIONS).fits
+    assert not plan.memory_plan(m1, layout, 512, 1, longest + 1, **M1_OPTIONS).fits
 
 
 def test_the_longest_sequence_grows_with_cp_and_reaches_1m_tokens_on_512_gpus():
     m1 = model_config("minimax-m1")
-    longest = [plan.longest_sequence(m1, M1_512, 512, 1, context_parallel_size=cp, **M1_OPTIONS) for cp in (1, 2, 4, 8)]
+    longest = [plan.longest_sequence(m1, _m1_512(cp), 512, 1, **M1_OPTIONS) for cp in (1, 2, 4, 8)]
     assert longest == sorted(longest) and longest[0] > 0
     assert longest[1] > 1.9 * longest[0] and longest[3] > 1.9 * longest[2]  # nearly linear: little is not divided
     assert longest[2] < 2**20 <= longest[3]
@@ -103,35 +110,38 @@ def test_cli_longest_reports_the_layout_and_the_length(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("minimax-m1 on 512 GPUs = TP 8 x PP 1 x CP 8 x DP 8; EP 32, expert TP 8, expert DP 2")
     assert "dense / DP x CP 64" in "\n".join(lines)
-    longest = plan.longest_sequence(model_config("minimax-m1"), M1_512, 512, 1, context_parallel_size=8, **M1_OPTIONS)
+    longest = plan.longest_sequence(model_config("minimax-m1"), _m1_512(8), 512, 1, **M1_OPTIONS)
     assert lines[1].startswith(f"micro-batch 1 x {longest} tokens ({longest // 8} on each CP rank)")
     assert lines[-1] == (f"longest sequence that fits: {longest:,} tokens ({longest // 8:,} on each of the 8 CP "
                          f"ranks); searched up to model.max_position_embeddings = 10,240,000")
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "cp, world_size, message",
     [
-        (dict(context_parallel_size=0), "context_parallel_size = 0 (--cp): it must be at least 1."),
-        (dict(context_parallel_size=3, world_size=4),
-         "world size 4 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size * "
-         "context_parallel_size (--cp) = 1 * 1 * 3 = 3: each model replica spans TP x PP x CP GPUs; use a multiple "
-         "of 3 GPUs or a smaller --cp."),
+        (0, 2, "parallel.context_parallel_size = 0: it must be at least 1."),
+        (3, 4, "world size 4 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size * "
+               "context_parallel_size = 1 * 1 * 3 = 3: launch a multiple of 3 processes or change TP/PP/CP."),
     ],
 )
-def test_bad_context_parallel_sizes_name_the_flag(kwargs, message):
-    arguments = dict(world_size=2, micro_batch=1, seq_len=32) | kwargs
-    with pytest.raises(ValueError) as raised:
-        plan.memory_plan(model_config("tiny"), ParallelConfig(), **arguments)
-    assert str(raised.value) == message
+def test_bad_context_parallel_sizes_get_validate_layouts_error(cp, world_size, message):
+    tiny, layout = model_config("tiny"), ParallelConfig(context_parallel_size=cp)
+    with pytest.raises(ValueError) as planned:
+        plan.memory_plan(tiny, layout, world_size, micro_batch=1, seq_len=32)
+    # The search too, before its bound on the fused head's kept logits divides by CP.
+    with pytest.raises(ValueError) as searched:
+        plan.longest_sequence(tiny, layout, world_size, 1, fused_lm_head=True)
+    assert str(planned.value) == str(searched.value) == message
 
 
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--cp", "0"], "error: argument --cp: 0: give a whole number of at least 1"),
-        (["--cp", "-2"], "error: argument --cp: -2: give a whole number of at least 1"),
-        (["--cp", "two"], "error: argument --cp: two: give a whole number of at least 1"),
+        (["--cp", "0"], "error: parallel.context_parallel_size = 0: it must be at least 1."),
+        (["--cp", "-2"], "error: parallel.context_parallel_size = -2: it must be at least 1."),
+        (["--cp", "0", "--longest", "--fused-lm-head"],
+         "error: parallel.context_parallel_size = 0: it must be at least 1."),
+        (["--cp", "two"], "error: argument --cp: invalid int value: 'two'"),
         (["--longest", "--seq-len", "64"], "error: argument --seq-len: not allowed with argument --longest"),
         # The experts' grid, expert TP 1 x EP 4, does not fit in TP 1 x CP 2 x DP 1 = 2 GPUs.
         (["--ep", "4", "--cp", "2"], "error: world size 2 is not divisible by expert_tensor_parallel_size * "
