@@ -120,6 +120,12 @@ def model_config_of(load: str | os.PathLike, config: Config) -> tuple[HybridMode
 def scoring_layout(parallel: ParallelConfig, model: HybridModelConfig, world_size: int) -> ParallelConfig:
     """The config's layout with sequence parallelism on exactly when TP > 1 (the MoE needs it under TP,
     as in training), checked against the scored model."""
+    if parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"parallel.context_parallel_size = {parallel.context_parallel_size}: scoring runs each sequence whole on "
+            f"a rank (it packs no rows); set parallel.context_parallel_size = 1 and spread the sequences over "
+            f"data-parallel ranks"
+        )
     parallel = dataclasses.replace(parallel, sequence_parallel=parallel.tensor_model_parallel_size > 1)
     validate_layout(parallel, world_size, model_shape(model))
     return parallel

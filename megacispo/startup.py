@@ -29,7 +29,7 @@ from megacispo.models.routing import route_dtype
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import validate_layout, world_size_from_env
 from megacispo.rl import adaptive_clip
-from megacispo.rl.losses import policy_loss_names, validate_policy_loss_params
+from megacispo.rl.losses import get_policy_loss, policy_loss_names, validate_policy_loss_params
 from megacispo.rollout.generate import GIB, rollout_cache_bytes
 
 
@@ -147,7 +147,8 @@ def plan(config: Config, world_size: int) -> str:
         f"{config.model.num_experts} experts top-{config.model.moe_router_topk}: "
         f"{total / 1e9:.3f}B total, {activated / 1e9:.3f}B activated parameters",
         f"layout: world {world_size} = TP {parallel.tensor_model_parallel_size} x PP {parallel.pipeline_model_parallel_size} "
-        f"x DP {parallel.data_parallel_size(world_size)}; EP {parallel.expert_model_parallel_size}, "
+        f"x CP {parallel.context_parallel_size} x DP {parallel.data_parallel_size(world_size)}; "
+        f"EP {parallel.expert_model_parallel_size}, "
         f"sequence parallel {parallel.sequence_parallel}",
         precision_plan(config),
         f"lengths: prompts up to {max_prompt_tokens(config)} tokens (longer: {config.data.overlong_prompts}) + "
@@ -267,6 +268,7 @@ def check_config(config: Config) -> Config:
         raise ValueError(f"rl.reward: {error}") from None
     adaptive_clip.check_bounds(rl.adaptive_clip, rl.loss, params)
     _check_placement(config)
+    _check_context_parallel(config)
     _check_lengths(config)
     _check_compile_decode(config)
     _check_rollout_memory(config)
@@ -274,6 +276,36 @@ def check_config(config: Config) -> Config:
     check_logging(config.logging)
     loss = dataclasses.replace(rl.loss, params=params)
     return dataclasses.replace(config, rl=dataclasses.replace(rl, loss=loss))
+
+
+def _check_context_parallel(config: Config) -> None:
+    """What splitting every packed row over parallel.context_parallel_size ranks needs: packed rows, and
+    nothing computed over a whole sequence in the loss (each rank holds pieces of sequences)."""
+    cp = config.parallel.context_parallel_size
+    if cp == 1:
+        return
+    field = f"parallel.context_parallel_size = {cp}"
+    if not config.train.pack_sequences:
+        raise ValueError(f"{field} splits packed rows over its ranks, but train.pack_sequences is false: set it true")
+    aggregation = get_policy_loss(config.rl.loss.name).aggregation
+    if aggregation != "token_mean":
+        raise ValueError(
+            f"{field} with rl.loss.name = {config.rl.loss.name}: that loss averages over each sequence "
+            f"({aggregation}), and context parallelism splits sequences over ranks; use a token-mean loss "
+            f"({', '.join(n for n in policy_loss_names() if get_policy_loss(n).aggregation == 'token_mean')}) or "
+            f"parallel.context_parallel_size = 1"
+        )
+    if config.logging.metric_hooks:
+        raise ValueError(
+            f"{field} with logging.metric_hooks: a hook sees its micro-batch's tokens as whole sequences, and "
+            f"context parallelism splits them over ranks; remove the hooks or set parallel.context_parallel_size = 1"
+        )
+    if config.placement.rollout_ranks:
+        raise ValueError(
+            f"{field} with placement.rollout_ranks = {config.placement.rollout_ranks}: the CP ranks generate as "
+            f"replicas of their own in the training processes; set placement.rollout_ranks = 0 or "
+            f"parallel.context_parallel_size = 1"
+        )
 
 
 def _check_placement(config: Config) -> None:
@@ -338,6 +370,14 @@ def check_rl_batches(config: Config, data_parallel_size: int) -> None:
     micro-batches: an uneven split leaves a rank without samples, found only after a rollout."""
     rollout, updates = config.rollout, config.rl.updates_per_rollout
     _check_split("rollout.prompts_per_step", rollout.prompts_per_step, data_parallel_size)
+    cp = config.parallel.context_parallel_size
+    if rollout.prompts_per_step // data_parallel_size % cp:
+        raise ValueError(
+            f"rollout.prompts_per_step = {rollout.prompts_per_step} gives each of the {data_parallel_size} data-parallel "
+            f"ranks {rollout.prompts_per_step // data_parallel_size} prompts, which its parallel.context_parallel_size "
+            f"= {cp} ranks cannot share evenly (each generates an equal part): use a multiple of "
+            f"{data_parallel_size * cp}"
+        )
     per_rank = rollout.prompts_per_step // data_parallel_size * rollout.group_size
     if per_rank % updates:
         raise ValueError(

@@ -49,7 +49,7 @@ from megacispo.rl.metric_hooks import MetricHook, UpdateMicroBatch
 from megacispo.rl.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
 from megacispo.rl.start import RunStart, checkpoint_root
 from megacispo.rollout.generate import Samples, generate, sample_keys
-from megacispo.rollout.remote import RemoteRollouts
+from megacispo.rollout.remote import RemoteRollouts, concat_samples
 from megacispo.training.engine import Engine
 from megacispo.training.packing import PackedRow, agreed_bins, pack_rows
 
@@ -62,8 +62,9 @@ NOTHING_TRAINED = "nothing was trained, so nothing was saved"
 @dataclass
 class TrainBatch:
     """Sequences with everything the loss needs; [n, S - 1] tensors are per predicted token. A step's
-    batch holds one right-padded sequence per row; a packed micro-batch (``packed``) holds one row
-    [1, W] of several sequences end to end (megacispo.training.packing)."""
+    batch holds one right-padded sequence per row. A packed micro-batch (``packed``) holds this rank's
+    w positions of one row of several sequences end to end (megacispo.training.packing; w = W without
+    context parallelism), every tensor [1, w, ...] per position, ``targets`` the tokens predicted."""
 
     tokens: torch.Tensor
     """[n, S] prompt + response + padding."""
@@ -83,6 +84,10 @@ class TrainBatch:
     """[n, S, L, k] the experts the rollout routed each token to in this stage's MoE layers (Samples.routes)."""
     packed: PackedRow | None = None
     """Where the sequences of a packed micro-batch lie in its row; None: one sequence per row."""
+    targets: torch.Tensor | None = None
+    """[1, w] a packed micro-batch's token predicted at each position; None: ``tokens`` shifted by one."""
+    route_masks: tuple[torch.Tensor, torch.Tensor] | None = None
+    """[1, w] bool a packed micro-batch's ``rollout_route_masks``; None: taken from the rows."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -93,10 +98,15 @@ class TrainBatch:
 
     @property
     def sequences(self) -> Sequences:
-        """Which sequence each predicted token [n, S - 1] belongs to, for the loss."""
+        """Which sequence each predicted token belongs to, for the loss."""
         if self.packed is None:
             return Sequences.rows(self.loss_mask)
-        return Sequences(self.packed.sequence_ids[:, :-1], self.packed.num_sequences)
+        return Sequences(self.packed.sequence_ids, self.packed.num_sequences)
+
+    @property
+    def predicted(self) -> torch.Tensor:
+        """The token each position of the loss tensors predicts."""
+        return self.tokens[:, 1:] if self.targets is None else self.targets
 
 
 @dataclass
@@ -128,22 +138,24 @@ class RolloutTally:
     """Groups dynamic sampling dropped."""
 
 
+def rollout_route_masks(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, S] bool, of right-padded rows: the positions the rollout routed (it fed back every token of a
+    sequence but its last) and the response tokens."""
+    padding = batch.padding_mask
+    real = torch.ones_like(batch.tokens, dtype=torch.bool) if padding is None else ~padding
+    recorded = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    # Token t + 1 is a response token where loss_mask[t] is set.
+    response = torch.cat([torch.zeros_like(real[:, :1]), batch.loss_mask != 0], dim=1)
+    return recorded, response
+
+
 def routing_targets(micro: TrainBatch, *, compare: bool, replay: bool) -> RoutingTargets | None:
     """What a training forward of ``micro`` does with the rollout's experts (micro.routes): compare them
     with its routers' own at the response tokens (``compare``: the old-log-prob pass, for
     mismatch/router_disagreement), replay them (``replay``: rl.routing_replay). None: neither."""
     if not (compare or replay):
         return None
-    padding = micro.padding_mask
-    real = torch.ones_like(micro.tokens, dtype=torch.bool) if padding is None else ~padding
-    # The rollout fed back every token of a sequence but its last: those followed by a token of the same sequence.
-    followed = real[:, 1:]
-    if micro.packed is not None:
-        ids = micro.packed.sequence_ids
-        followed = followed & (ids[:, 1:] == ids[:, :-1])
-    recorded = torch.cat([followed, torch.zeros_like(real[:, :1])], dim=1)
-    # Token t + 1 is a response token where loss_mask[t] is set.
-    response = torch.cat([torch.zeros_like(real[:, :1]), micro.loss_mask != 0], dim=1)
+    recorded, response = rollout_route_masks(micro) if micro.route_masks is None else micro.route_masks
     return RoutingTargets(micro.routes, recorded, recorded & response if compare else None, replay)
 
 
@@ -319,12 +331,18 @@ class Trainer:
         return self._to_train_batch(chosen), metrics
 
     def _sample(self, records: list[PromptRecord]) -> tuple[Samples, RewardScores]:
-        """This rank's samples of ``records`` and their rewards."""
-        rollout = self.config.rollout
+        """This rank's samples of ``records`` and their rewards. The CP ranks of a data-parallel rank share
+        its records: each generates and scores its own 1/CP of them, as a generation replica of its own
+        (decoding does not split sequences), and they exchange the samples."""
+        rollout, cp = self.config.rollout, self.engine.groups.cp
+        share = len(records) // cp.size()
+        mine = slice(cp.rank() * share, (cp.rank() + 1) * share)
+        group_rows = slice(mine.start * rollout.group_size, mine.stop * rollout.group_size)
+        records = records[mine]
         prompts = [prompt_token_ids(self.tokenizer, r) for r in records for _ in range(rollout.group_size)]
         samples = generate(
             self.engine.module, prompts, rollout, stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
-            keys=self._sample_keys(len(records)), lockstep_group=self.dp_group,
+            keys=self._sample_keys(share * cp.size())[group_rows], lockstep_group=self.engine.groups.dp_cp,
             progress=self.rollout_progress, interrupt=self._abandon_if_stopped,
         )
         texts = [response_text(self.tokenizer, samples, row) for row in range(len(prompts))]
@@ -336,7 +354,24 @@ class Trainer:
             # Every rank agrees here, after scoring: a SIGTERM that stopped one rank's scoring abandons
             # the step on all of them (ScoringInterrupted gives way to StepAbandoned).
             self._abandon_if_stopped()
+        if cp.size() > 1:
+            samples, scores = self._gather_over_cp(samples, scores)
         return samples, scores
+
+    def _gather_over_cp(self, samples: Samples, scores: RewardScores) -> tuple[Samples, RewardScores]:
+        """Every CP rank's samples and rewards of the data-parallel rank's records, in CP rank order."""
+        cp = self.engine.groups.cp
+        parts: list = [None] * cp.size()
+        # Pickled as host copies: a GPU tensor would be unpickled onto the sending rank's GPU.
+        host = Samples(*(getattr(samples, name).cpu() for name in Samples.__dataclass_fields__))
+        dist.all_gather_object(parts, (host, scores), group=cp)
+        gathered = concat_samples([part for part, _ in parts], self.tokenizer.pad_id)
+        gathered = Samples(*(getattr(gathered, name).to(self.engine.device) for name in Samples.__dataclass_fields__))
+        return gathered, RewardScores(
+            rewards=[reward for _, part in parts for reward in part.rewards],
+            num_failures=sum(part.num_failures for _, part in parts),
+            first_failure=next((part.first_failure for _, part in parts if part.first_failure), ""),
+        )
 
     def _shape_rewards(self, samples: Samples, scores: RewardScores, tally: RolloutTally) -> torch.Tensor:
         """The rewards with overlong shaping, counted in ``tally``."""
@@ -464,36 +499,46 @@ class Trainer:
         lengths = (~batch.padding_mask).sum(dim=1).tolist()  # one copy to the host per pass
         width = batch.tokens.shape[1]
         budget = train.max_tokens_per_micro_batch or train.micro_batch_size * width
+        # The data-parallel ranks agree on the count; a replica's CP ranks pack the same rows.
         num_bins = agreed_bins(lengths, budget, self.dp_group, self.engine.device)
-        rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device)
-        return [self._packed(batch, row) for row in rows]
+        cp = self.engine.groups.cp
+        rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device,
+                         cp_size=cp.size(), cp_rank=cp.rank())
+        route_masks = rollout_route_masks(batch)
+        return [self._packed(batch, row, route_masks) for row in rows]
 
-    def _packed(self, batch: TrainBatch, row: PackedRow) -> TrainBatch:
-        """The micro-batch of ``row``: the batch's tensors gathered into it."""
+    def _packed(self, batch: TrainBatch, row: PackedRow, route_masks: tuple[torch.Tensor, torch.Tensor]) -> TrainBatch:
+        """The micro-batch of ``row`` on this rank: the batch's tensors gathered into it."""
 
-        def per_token(values: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor | None:
-            return None if values is None else row.pack(values, fill)[:, :-1]  # [1, W - 1]
+        def pack(values: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor | None:
+            return None if values is None else row.pack(values, fill)
 
         return TrainBatch(
             tokens=row.pack(batch.tokens, self.tokenizer.pad_id),
-            loss_mask=per_token(batch.loss_mask),
-            advantages=per_token(batch.advantages[:, None].expand_as(batch.loss_mask)),
-            rollout_logprobs=per_token(batch.rollout_logprobs),
-            old_logprobs=per_token(batch.old_logprobs),
+            loss_mask=pack(batch.loss_mask),
+            advantages=pack(batch.advantages[:, None].expand_as(batch.loss_mask)),
+            rollout_logprobs=pack(batch.rollout_logprobs),
+            old_logprobs=pack(batch.old_logprobs),
             padding_mask=row.pack(batch.padding_mask, True),
-            token_weights=per_token(batch.token_weights, 1.0),
+            token_weights=pack(batch.token_weights, 1.0),
             routes=row.pack(batch.routes),
             packed=row,
+            targets=row.pack(batch.tokens[:, 1:], self.tokenizer.pad_id),
+            route_masks=(row.pack(route_masks[0]), row.pack(route_masks[1])),
         )
 
-    @staticmethod
-    def _per_token_of_batch(batch: TrainBatch, micro_batches: list[TrainBatch], values: list[torch.Tensor]) -> torch.Tensor:
-        """[n, S - 1]: the micro-batches' per-token ``values`` at their places in ``batch``."""
+    def _per_token_of_batch(self, batch: TrainBatch, micro_batches: list[TrainBatch],
+                            values: list[torch.Tensor]) -> torch.Tensor:
+        """[n, S - 1]: the micro-batches' per-token ``values`` at their places in ``batch`` (on every CP rank
+        of the replica: each wrote its own positions of the rows)."""
         if micro_batches[0].packed is None:
             return torch.cat(values)
         out = torch.zeros_like(batch.rollout_logprobs)
         for micro, micro_values in zip(micro_batches, values, strict=True):
             micro.packed.unpack(micro_values, out)
+        cp = self.engine.groups.cp
+        if cp.size() > 1:
+            dist.all_reduce(out, group=cp)
         return out
 
     @torch.no_grad()
@@ -506,7 +551,7 @@ class Trainer:
             hidden = self._forward(model, micro, compare_routes=True)
             return hidden, lambda output: (
                 output.sum() * 0,
-                {"logprobs": self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask, temperature)[0]})
+                {"logprobs": self.engine.token_logprobs(output, micro.predicted, micro.loss_mask, temperature)[0]})
 
         micro_batches = self._micro_batches(batch)
         self.engine.train(False)
@@ -537,7 +582,7 @@ class Trainer:
         temperature = self.config.rollout.temperature
         micro_batches = self._micro_batches(mini_batch)
         counts = compute_global_counts([m.loss_mask for m in micro_batches], [m.old_logprobs for m in micro_batches],
-                                       group=self.dp_group, sequences=[m.sequences for m in micro_batches])
+                                       group=self.engine.groups.dp_cp, sequences=[m.sequences for m in micro_batches])
         scale = self.engine.loss_scale_for_schedule(len(micro_batches))
         loss_params = loss_config.params if self.adaptive_clip is None else self.adaptive_clip.params()
 
@@ -545,7 +590,7 @@ class Trainer:
             hidden = self._forward(model, micro, compare_routes=False)
 
             def loss_func(output):
-                logprobs, entropy = self.engine.token_logprobs(output, micro.tokens[:, 1:], micro.loss_mask,
+                logprobs, entropy = self.engine.token_logprobs(output, micro.predicted, micro.loss_mask,
                                                                 temperature, compute_entropy=True)
                 sequences = micro.sequences
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
@@ -554,7 +599,7 @@ class Trainer:
                 metrics["loss/entropy"] = (entropy * micro.loss_mask).sum() / counts.num_tokens.clamp(min=1)
                 if self.metric_hooks:
                     view = UpdateMicroBatch(
-                        targets=micro.tokens[:, 1:], loss_mask=micro.loss_mask, logprobs=logprobs.detach(),
+                        targets=micro.predicted, loss_mask=micro.loss_mask, logprobs=logprobs.detach(),
                         old_logprobs=micro.old_logprobs, advantages=micro.advantages, loss_name=loss_config.name,
                         loss_params=loss_params, counts=counts, sequences=sequences,
                         logprobs_of=lambda targets, mask: self.engine.token_logprobs(output, targets, mask,
@@ -567,7 +612,8 @@ class Trainer:
 
         outputs = self.engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
         # Only the last pipeline stage computes the loss and its metrics (and only it logs).
-        metrics = {key: float(value) for key, value in reduce_metrics(outputs, group=self.dp_group).items()} if outputs else {}
+        # Each rank's tokens are its own: its data-parallel share, its CP share of every row.
+        metrics = {key: float(value) for key, value in reduce_metrics(outputs, group=self.engine.groups.dp_cp).items()} if outputs else {}
         result = self.engine.step()
         if not result.applied:
             self.num_skipped_updates += 1

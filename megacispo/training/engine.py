@@ -149,6 +149,7 @@ class Engine:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         micro_batch_size, seq_length = micro_batches[0].tokens.shape
+        seq_length *= self.groups.cp.size()  # the schedule takes a row's whole length and divides it over CP
         iterator = iter(micro_batches)
         return get_forward_backward_func()(
             forward_step_func=lambda data_iterator, model: forward_step(next(data_iterator), model),
@@ -198,10 +199,13 @@ class Engine:
 
     @property
     def length_multiple(self) -> int:
-        """What every row's length is a multiple of: sequence parallelism splits each row over the TP
-        ranks (padding is masked out of every loss)."""
+        """What every row's length is a multiple of (padding is masked out of every loss): context
+        parallelism splits each row into 2 x CP chunks, sequence parallelism each rank's share of it
+        over the TP ranks."""
         parallel = self.config.parallel
-        return parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+        tensor_parallel = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+        chunks = 2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1
+        return tensor_parallel * chunks
 
     def padded_length(self, length: int) -> int:
         """``length`` right-padded to ``length_multiple``."""
@@ -211,7 +215,8 @@ class Engine:
         """Megatron's schedule divides each micro-batch loss by the number of micro-batches and DDP
         averages gradients over data-parallel ranks. Our losses are already normalized by the
         global token count of the step (megacispo.rl.losses.compute_global_counts), so they are scaled
-        up by exactly what Megatron divides by: the step then optimizes the global objective."""
+        up by exactly what Megatron divides by: the step then optimizes the global objective. (Under
+        context parallelism DDP averages over DP x CP, and the schedule multiplies the loss by CP.)"""
         return float(num_micro_batches * self.data_parallel_size)
 
     def step(self) -> StepResult:

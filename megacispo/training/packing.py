@@ -16,6 +16,10 @@ the same number. Deterministic: the same lengths give the same bins on any machi
 
 A pass's rows share one width W (its fullest bin, rounded up to ``multiple``): Megatron's pipeline
 schedule sends one [W, 1, H] shape between stages for every micro-batch of a pass.
+
+Under context parallelism each CP rank holds its zigzag share of every row (megacispo.parallel.context):
+``PackedRow.pack`` gathers that rank's positions only, and ``unpack`` writes them back; the CP ranks'
+writes together cover the row.
 """
 
 from __future__ import annotations
@@ -27,18 +31,22 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megacispo.parallel.context import zigzag_positions
+
 
 @dataclass(frozen=True)
 class PackedRow:
-    """Where the sequences of one micro-batch lie in its packed row [1, W]."""
+    """Where the sequences of one micro-batch lie in its packed row of W positions, and which w of them
+    this rank holds (all of them, w = W, without context parallelism)."""
 
     rows: tuple[int, ...]
     """The batch's rows (sequences) in this row, in order."""
     gather: torch.Tensor
-    """[W] int64: each position's index into the batch's flattened [n * S] positions; n * S at padding."""
+    """[w] int64: each of this rank's positions' index into the batch's flattened [n * S] positions; n * S
+    at padding."""
     sequence_ids: torch.Tensor
-    """[1, W] int64: each position's sequence in the row, 0..num_sequences - 1 (the padding after the last
-    sequence is one more)."""
+    """[1, w] int64: each of this rank's positions' sequence in the row, 0..num_sequences - 1 (the padding
+    after the last sequence is one more)."""
     num_sequences: int
     """Sequences in the row, the trailing padding counted as one."""
     packed_seq_params: PackedSeqParams
@@ -46,13 +54,12 @@ class PackedRow:
     batch_width: int
     """S: the width of the batch the row gathers from."""
 
-    @property
-    def width(self) -> int:
-        return self.gather.shape[0]
+    width: int
+    """W: the row's positions, on all CP ranks together."""
 
     def pack(self, values: torch.Tensor, fill: float | int | bool = 0) -> torch.Tensor:
         """[n, S', ...] per-position values of the batch (S' <= S: positions past S' are ``fill``) ->
-        [1, W, ...], ``fill`` at the padding."""
+        [1, w, ...] at this rank's positions, ``fill`` at the padding."""
         num_rows, width = values.shape[:2]
         flat = values.reshape(num_rows * width, *values.shape[2:])
         fill_cell = flat.new_full((1, *values.shape[2:]), fill)
@@ -60,10 +67,10 @@ class PackedRow:
         return source[self._gather_for(num_rows, width)][None]
 
     def unpack(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """Write this row's [1, W'] values (W' <= W, the first W' positions) into ``out``, the batch's
-        [n, S'] values, at their sequences' positions."""
+        """Write this rank's [1, w] values of the row into ``out``, the batch's [n, S'] values, at their
+        sequences' positions (those past S' are dropped)."""
         num_rows, width = out.shape
-        index = self._gather_for(num_rows, width)[: values.shape[1]]
+        index = self._gather_for(num_rows, width)
         flat = torch.cat([out.reshape(-1), out.new_zeros(1)])  # the last cell takes the padding
         flat.index_copy_(0, index, values[0].to(out.dtype))
         out.copy_(flat[:-1].view(num_rows, width))
@@ -135,21 +142,24 @@ def agreed_bins(lengths: Sequence[int], budget: int, group: dist.ProcessGroup | 
 
 
 def pack_rows(
-    lengths: Sequence[int], batch_width: int, budget: int, num_bins: int, multiple: int, device: torch.device
+    lengths: Sequence[int], batch_width: int, budget: int, num_bins: int, multiple: int, device: torch.device,
+    cp_size: int = 1, cp_rank: int = 0,
 ) -> list[PackedRow]:
     """The packed rows of sequences of ``lengths`` (host ints) right-padded to ``batch_width`` in their
     batch: ``num_bins`` rows of at most ``budget`` real tokens, all of one width (the fullest row's
-    tokens rounded up to ``multiple``, at least ``multiple``)."""
+    tokens rounded up to ``multiple``, at least ``multiple``, which 2 * ``cp_size`` divides), each
+    holding CP rank ``cp_rank``'s share of its positions."""
     if max(lengths) > budget:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the micro-batch budget of {budget} tokens")
     bins = assign_bins(lengths, budget, num_bins)
     fullest = max(sum(lengths[index] for index in members) for members in bins)
     width = max(-(-fullest // multiple) * multiple, multiple)
-    return [_packed_row(members, lengths, batch_width, width, device) for members in bins]
+    mine = zigzag_positions(width, cp_size, cp_rank, device="cpu") if cp_size > 1 else slice(None)
+    return [_packed_row(members, lengths, batch_width, width, mine, device) for members in bins]
 
 
 def _packed_row(members: list[int], lengths: Sequence[int], batch_width: int, width: int,
-                device: torch.device) -> PackedRow:
+                mine: torch.Tensor | slice, device: torch.device) -> PackedRow:
     row_lengths = [lengths[index] for index in members]
     used = sum(row_lengths)
     # Built on the host, where the lengths are, and moved once.
@@ -169,12 +179,13 @@ def _packed_row(members: list[int], lengths: Sequence[int], batch_width: int, wi
     longest = max(b - a for a, b in zip(boundaries[:-1], boundaries[1:]))
     return PackedRow(
         rows=tuple(members),
-        gather=gather.to(device),
-        sequence_ids=sequence_ids.to(device)[None],
+        gather=gather[mine].to(device),
+        sequence_ids=sequence_ids[mine].to(device)[None],
         num_sequences=len(boundaries) - 1,
         packed_seq_params=PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
             max_seqlen_kv=longest,
         ),
         batch_width=batch_width,
+        width=width,
     )

@@ -82,7 +82,8 @@ class SFTTrainer:
         """One optimizer step on this rank's share of sft.batch_size pairs; the step's metrics."""
         engine = self.engine
         micro_batches = self._micro_batches()
-        counts = count_loss_tokens([micro.loss_mask for micro in micro_batches], group=engine.groups.dp,
+        # Each rank's tokens are its own: its data-parallel share, its CP share of every row.
+        counts = count_loss_tokens([micro.loss_mask for micro in micro_batches], group=engine.groups.dp_cp,
                                    sequences=[micro.sequences for micro in micro_batches])
         scale = engine.loss_scale_for_schedule(len(micro_batches))
 
@@ -100,7 +101,7 @@ class SFTTrainer:
         outputs = engine.run_micro_batches(micro_batches, forward_step, forward_only=False)
         result = engine.step()
         # Only the last pipeline stage computes the loss (and only it logs).
-        metrics = {"sft/loss": float(reduce_metrics(outputs, group=engine.groups.dp)["sft/loss"])} if outputs else {}
+        metrics = {"sft/loss": float(reduce_metrics(outputs, group=engine.groups.dp_cp)["sft/loss"])} if outputs else {}
         return {**metrics, "perf/grad_norm": result.grad_norm, "perf/lr": result.lr}
 
     def save(self, root: Path) -> None:
@@ -122,7 +123,9 @@ class SFTTrainer:
             width = batch.input_ids.shape[1]
             budget = train.max_tokens_per_micro_batch or train.micro_batch_size * width
             num_bins = agreed_bins(lengths, budget, self.engine.groups.dp, self.engine.device)
-            rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device)
+            cp = self.engine.groups.cp
+            rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device,
+                             cp_size=cp.size(), cp_rank=cp.rank())
             return [SFTMicroBatch(row.pack(batch.input_ids, pad_id), row.pack(batch.labels, pad_id),
                                   row.pack(batch.loss_mask), row.pack(batch.padding_mask, True), row) for row in rows]
         batch = _pad_to(batch, self.engine.padded_length(batch.input_ids.shape[1]), pad_id).to(self.engine.device)

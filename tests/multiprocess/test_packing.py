@@ -50,14 +50,15 @@ def _sequences(rows: range) -> dict[str, torch.Tensor]:
     }
 
 
-def _pass(pack: bool, budget: int, loss: str, rows: range | None = None) -> dict:
-    """Old log-probs and one update of the batch of ``rows`` (this rank's half at DP = 2, all 16 in
-    one process): the old log-probs [n, S - 1], the update's metrics, the gradients by name, the
-    number of micro-batches."""
+def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None) -> dict:
+    """Old log-probs and one update of this rank's batch (its data-parallel share of the 16 sequences) in
+    ``layout`` (ParallelConfig's fields; None: the world is data-parallel): the old log-probs
+    [n, S - 1], the update's metrics, the gradients by name, the number of micro-batches."""
     import torch.distributed as dist
 
     from megacispo.config import Config
     from megacispo.models.config import model_config
+    from megacispo.parallel.layout import ParallelConfig
     from megacispo.rl.config import LossConfig, RLConfig
     from megacispo.rl.trainer import TrainBatch
     from megacispo.testing.trainers import build_trainer
@@ -69,11 +70,11 @@ def _pass(pack: bool, budget: int, loss: str, rows: range | None = None) -> dict
         train=TrainConfig(pack_sequences=pack, max_tokens_per_micro_batch=budget, micro_batch_size=16,
                           run_dir="runs/unused"),
         optimizer=OptimizerConfig(use_distributed_optimizer=False, clip_grad=0.0),
+        parallel=ParallelConfig(**(layout or {})),
     )
     trainer = build_trainer(config)
-    if rows is None:
-        rank, size = dist.get_rank(), dist.get_world_size()
-        rows = range(rank * len(PROMPTS) // size, (rank + 1) * len(PROMPTS) // size)
+    rank, size = dist.get_rank(trainer.dp_group), dist.get_world_size(trainer.dp_group)
+    rows = range(rank * len(PROMPTS) // size, (rank + 1) * len(PROMPTS) // size)
     batch = TrainBatch(**_sequences(rows))
     micro_batches = len(trainer._micro_batches(batch))
     batch.old_logprobs = trainer.compute_old_logprobs(batch)
@@ -137,13 +138,13 @@ def test_ranks_with_unequal_sequences_agree_and_match_one_process(padded):
         _assert_same(whole, {**result, "old_logprobs": both}, "DP = 2 packed")
 
 
-def _sft_step(pack: bool, budget: int) -> dict:
+def _sft_step(pack: bool, budget: int, layout: dict | None = None) -> dict:
     """One SFT step on 8 pairs of long-tailed lengths: its loss, gradients and micro-batches."""
     from megacispo.config import Config
     from megacispo.data.prompts import PromptRecord
     from megacispo.metrics.logger import MetricsLogger
     from megacispo.models.config import model_config
-    from megacispo.parallel.layout import init_distributed
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
     from megacispo.testing.trainers import CharTokenizer
     from megacispo.training.config import OptimizerConfig, SFTConfig, TrainConfig
     from megacispo.training.engine import Engine
@@ -154,6 +155,7 @@ def _sft_step(pack: bool, budget: int) -> dict:
         train=TrainConfig(pack_sequences=pack, max_tokens_per_micro_batch=budget, micro_batch_size=8,
                           run_dir="runs/unused"),
         optimizer=OptimizerConfig(use_distributed_optimizer=False, clip_grad=0.0),
+        parallel=ParallelConfig(**(layout or {})),
     )
     init_distributed(config.parallel, config.train.seed)
     engine = Engine(config, total_steps=1, peak_lr=1e-3)
@@ -174,8 +176,70 @@ def _sft_step(pack: bool, budget: int) -> dict:
 
 
 def test_sft_packed_step_computes_what_padded_rows_compute():
+    """Packed in 3 micro-batches in one process, and split over 2 CP ranks."""
     (padded,) = run_distributed(_sft_step, 1, False, 0)
     (packed,) = run_distributed(_sft_step, 1, True, 70)
+    split = run_distributed(_sft_step, 2, True, 70, {"context_parallel_size": 2})
     assert (padded["micro_batches"], packed["micro_batches"]) == (1, 3)
-    assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
-    assert_close_by_key(padded["grads"], packed["grads"], "SFT packed: gradient of", rtol=1e-4)
+    for result in (packed, *split):
+        assert result["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+        assert_close_by_key(padded["grads"], result["grads"], "SFT packed: gradient of", rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [{"context_parallel_size": 2}, {"context_parallel_size": 4}],
+                         ids=["cp2", "cp4"])
+def test_context_parallel_ranks_compute_what_one_process_computes(padded, layout):
+    """Every row of 5 packed micro-batches split over 2 and 4 CP ranks (zigzag): each rank's old
+    log-probs are the whole batch's, and its update's loss, metrics and gradients the one-process run's."""
+    results = run_distributed(_pass, layout["context_parallel_size"], True, _budget_for(5), "cispo", layout)
+    for result in results:
+        assert result["micro_batches"] == 5
+        _assert_same(padded["cispo"], result, f"CP = {layout['context_parallel_size']}")
+
+
+def _rl_step(layout: dict | None) -> dict:
+    """One rollout round (the 4 prompts x 2 samples) and update in ``layout``, advantages fixed: the batch's
+    tokens, old log-probs, the update's metrics and gradients."""
+    from megacispo.config import Config
+    from megacispo.models.config import model_config
+    from megacispo.parallel.layout import ParallelConfig
+    from megacispo.rl.config import RLConfig
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.testing.trainers import build_trainer
+    from megacispo.training.config import OptimizerConfig, TrainConfig
+
+    config = Config(
+        model=model_config("tiny", moe_aux_loss_coeff=0.0),
+        rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=6, dynamic_sampling=False),
+        rl=RLConfig(updates_per_rollout=1, routing_replay=True),
+        train=TrainConfig(micro_batch_size=2, run_dir="runs/unused"),
+        optimizer=OptimizerConfig(use_distributed_optimizer=False, clip_grad=0.0),
+        parallel=ParallelConfig(**(layout or {})),
+    )
+    trainer = build_trainer(config)
+    batch, _ = trainer.collect_rollouts()
+    # Of mixed signs but no zero sum, which would leave the loss a small difference of large terms.
+    batch.advantages = torch.linspace(-0.5, 1.0, len(batch), device=batch.tokens.device)
+    batch.old_logprobs = trainer.compute_old_logprobs(batch)
+    engine, grads, step = trainer.engine, {}, trainer.engine.step
+
+    def step_keeping_grads():
+        grads.update({name: param.main_grad.detach().clone() for name, param in engine.module.named_parameters()
+                      if param.requires_grad})
+        return step()
+
+    engine.step = step_keeping_grads
+    metrics = trainer._update_once(batch)
+    return {"tokens": batch.tokens, "old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads}
+
+
+def test_an_rl_step_at_cp2_samples_and_trains_as_one_process():
+    """The CP ranks generate half of the prompts each and exchange the samples: both hold the batch one
+    process samples, its old log-probs, and the update's loss and gradients."""
+    (single,) = run_distributed(_rl_step, 1, None)
+    width = single["tokens"].shape[1]
+    for result in run_distributed(_rl_step, 2, {"context_parallel_size": 2}):
+        # Rows under CP are padded to a multiple of 2 x CP: the extra columns are padding.
+        assert torch.equal(result["tokens"][:, :width], single["tokens"])
+        assert not result["tokens"][:, width:].any()
+        _assert_same(single, {**result, "old_logprobs": result["old_logprobs"][:, :width - 1]}, "RL step at CP = 2")

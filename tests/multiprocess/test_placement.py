@@ -89,4 +89,4 @@ def test_a_placed_run_plans_the_training_processes(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "3")
     argv = ["--dry-run", "--set", "placement.rollout_ranks=1", "--set", "parallel.expert_model_parallel_size=2"]
     assert main(argv) == 0
-    assert "layout: world 2 = TP 1 x PP 1 x DP 2; EP 2" in capsys.readouterr().out
+    assert "layout: world 2 = TP 1 x PP 1 x CP 1 x DP 2; EP 2" in capsys.readouterr().out

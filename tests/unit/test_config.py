@@ -217,3 +217,27 @@ def test_compile_decode_refuses_a_layout_it_cannot_trace(layout, message):
     with pytest.raises(ValueError, match=rf"rollout.compile_decode = true {message}.*rollout.compile_decode=false"):
         run_config(None, ["rollout.compile_decode=true", layout])
     assert run_config(None, ["rollout.compile_decode=true"]).rollout.compile_decode
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.pack_sequences=false"], r"parallel.context_parallel_size = 2 splits packed rows over its ranks, but "
+                                         r"train.pack_sequences is false"),
+        (["rl.loss.name=gspo"], r"parallel.context_parallel_size = 2 with rl.loss.name = gspo: that loss averages over "
+                                r"each sequence \(sequence_mean\)"),
+        (["logging.metric_hooks.probe_token.token=x"], r"parallel.context_parallel_size = 2 with logging.metric_hooks"),
+        (["placement.rollout_ranks=1"], r"parallel.context_parallel_size = 2 with placement.rollout_ranks = 1"),
+    ],
+)
+def test_context_parallelism_refuses_what_it_would_split(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        run_config(None, ["parallel.context_parallel_size=2", *overrides])
+
+
+def test_context_parallel_ranks_share_the_prompts_of_their_data_parallel_rank():
+    check_rl_batches(run_config(None, ["parallel.context_parallel_size=2", "rollout.prompts_per_step=8"]), 2)
+    config = run_config(None, ["parallel.context_parallel_size=2", "rollout.prompts_per_step=6"])
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step = 6 gives each of the 2 data-parallel ranks 3 "
+                                         r"prompts, which its parallel.context_parallel_size = 2 ranks cannot share"):
+        check_rl_batches(config, 2)
