@@ -40,10 +40,13 @@ class Layout:
     ep: int = 1
     etp: int | None = None
     """None: expert TP follows TP."""
+    cp: int = 1
+    """Context parallelism: no metric hooks and no scoring (both refuse it)."""
 
     def config_overrides(self) -> list[str]:
         fields = {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
-                  "expert_model_parallel_size": self.ep, "sequence_parallel": self.tp > 1}
+                  "expert_model_parallel_size": self.ep, "sequence_parallel": self.tp > 1,
+                  "context_parallel_size": self.cp}
         if self.etp is not None:
             fields["expert_tensor_parallel_size"] = self.etp
         return [f"parallel.{key}={value}" for key, value in fields.items()]
@@ -61,6 +64,10 @@ LAYOUTS = {
     "pp2_ep2": Layout(world_size=4, pp=2, ep=2),
     HUB: Layout(world_size=2, ep=2),
     "tp2_dp2_sp": Layout(world_size=4, tp=2),
+    "cp2": Layout(world_size=2, cp=2),
+    "cp2_ep2": Layout(world_size=2, ep=2, cp=2),
+    "cp2_tp2_sp": Layout(world_size=4, tp=2, cp=2),
+    "cp2_pp2": Layout(world_size=4, pp=2, cp=2),
 }
 SLOW_LAYOUTS = {
     "tp2_pp2_ep2": Layout(world_size=8, tp=2, pp=2, ep=2),
@@ -81,21 +88,23 @@ def make_layout_workspace(root: Path) -> Path:
     return root
 
 
-def _run_overrides(workspace: Path, run_dir: Path) -> list[str]:
+def _run_overrides(workspace: Path, run_dir: Path, probe: bool = True) -> list[str]:
     pairs = {
         "data.train_prompts": workspace / "task" / "train.jsonl",
         "data.tokenizer": workspace / "tok" / "tokenizer.model",
         "rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": MAX_NEW_TOKENS,
         "rollout.temperature": 0.0, "rollout.dynamic_sampling": False,
-        "rl.updates_per_rollout": 1, "optimizer.lr": LR, "logging.metric_hooks.probe_token.token": f"'{PROBE_TOKEN}'",
+        "rl.updates_per_rollout": 1, "optimizer.lr": LR,
         "train.run_dir": run_dir, "train.load": workspace / "start", "train.micro_batch_size": 2,
     }
+    if probe:
+        pairs["logging.metric_hooks.probe_token.token"] = f"'{PROBE_TOKEN}'"
     return [f"{key}={value}" for key, value in pairs.items()]
 
 
-def _rl_step_then_score(overrides: list[str], score_argv: list[str]) -> dict:
+def _rl_step_then_score(overrides: list[str], score_argv: list[str] | None) -> dict:
     """In each rank: one RL step from the start weights (saved as the run's checkpoint afterwards),
-    then megacispo.score at the same layout. Returns this rank's view of the step."""
+    then megacispo.score at the same layout (None: no scoring). Returns this rank's view of the step."""
     from megatron.core import parallel_state
 
     from megacispo import score
@@ -123,8 +132,9 @@ def _rl_step_then_score(overrides: list[str], score_argv: list[str]) -> dict:
     rows = (trainer.dp_rank * len(batch) + torch.arange(len(batch))).tolist()
     batch.advantages = torch.tensor(ADVANTAGES, device=engine.device)[rows]
     batch.old_logprobs = trainer.compute_old_logprobs(batch)
-    start_probs = _probe_start_probs(trainer, batch) if parallel_state.get_tensor_model_parallel_world_size() == \
-        parallel_state.get_pipeline_model_parallel_world_size() == 1 else None
+    start_probs = _probe_start_probs(trainer, batch) if trainer.metric_hooks and \
+        parallel_state.get_tensor_model_parallel_world_size() == parallel_state.get_pipeline_model_parallel_world_size() \
+        == 1 else None
     metrics = trainer.update(batch)
     trainer.save()
 
@@ -141,7 +151,8 @@ def _rl_step_then_score(overrides: list[str], score_argv: list[str]) -> dict:
         "params": parameter_pieces(engine.module),
     }
     parallel_state.destroy_model_parallel()
-    score.run(score_argv)
+    if score_argv is not None:
+        score.run(score_argv)
     return result
 
 
@@ -158,8 +169,8 @@ def _probe_start_probs(trainer, batch) -> torch.Tensor:
 class LayoutRun:
     ranks: list[dict]
     """Each rank's view of the RL step."""
-    scores: list[torch.Tensor]
-    """megacispo.score's log-probs of SCORED."""
+    scores: list[torch.Tensor] | None
+    """megacispo.score's log-probs of SCORED; None: not scored (context parallelism)."""
     checkpoints: Path
     """The run's checkpoints root (its step's checkpoint)."""
 
@@ -170,11 +181,12 @@ def run_layout(workspace: Path, name: str, layout: Layout, scored_checkpoints: P
     run_dir = workspace / name
     checkpoints = run_dir / "checkpoints"
     out = run_dir / "scored.jsonl"
+    scored = layout.cp == 1
     score_argv = ["--load", str(scored_checkpoints or checkpoints), "--tokens", str(workspace / "scored.jsonl"),
-                  "--out", str(out), *layout.score_args()]
-    overrides = _run_overrides(workspace, run_dir) + layout.config_overrides()
+                  "--out", str(out), *layout.score_args()] if scored else None
+    overrides = _run_overrides(workspace, run_dir, probe=scored) + layout.config_overrides()
     ranks = run_distributed(_rl_step_then_score, layout.world_size, overrides, score_argv, timeout_s=600)
-    return LayoutRun(ranks, read_scores(out), checkpoints)
+    return LayoutRun(ranks, read_scores(out) if scored else None, checkpoints)
 
 
 def read_scores(path: Path) -> list[torch.Tensor]:
@@ -215,7 +227,8 @@ def assert_same_update(reference: LayoutRun, run: LayoutRun, name: str) -> None:
     updated parameter equal the single-process step's."""
     (expected_rank,) = reference.ranks
     for rank in (r for r in run.ranks if r["last_stage"]):
-        for key in ("loss/policy_loss", "loss/entropy", "probe/start_prob", "probe/tokens"):
+        probe = ("probe/start_prob", "probe/tokens") if "probe/tokens" in rank["metrics"] else ()
+        for key in ("loss/policy_loss", "loss/entropy", *probe):
             assert rank["metrics"][key] == pytest.approx(expected_rank["metrics"][key], rel=1e-5, abs=1e-7), (name, key)
     expected = assemble([expected_rank["params"]])
     actual = assemble([rank["params"] for rank in run.ranks])
