@@ -322,6 +322,7 @@ def parallel_layout() -> dict[str, int]:
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
         "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
     }
 
