@@ -61,33 +61,19 @@ def _train_step(
     rank 0: TP ranks compute the same sum), its gradient and parameter pieces, its routers'
     disagreement counts, its decoding logits of PROMPTS, and the error of a forward without
     packed_seq_params (None at CP = 1)."""
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megacispo.models.config import RecomputeConfig, model_config, model_shape, transformer_config
-    from megacispo.models.model import HybridModel
+    from megacispo.models.config import RecomputeConfig
     from megacispo.models.routing import RoutingTargets
     from megacispo.parallel.context import zigzag_positions
-    from megacispo.parallel.layout import ParallelConfig, init_distributed, validate_layout, world_size_from_env
     from megacispo.parallel.sharded import gradient_pieces, parameter_pieces
+    from megacispo.testing.parallel_case import tiny_ddp_model
 
-    model_cfg = model_config("tiny")
-    parallel = ParallelConfig(**layout)
-    validate_layout(parallel, world_size_from_env(), model_shape(model_cfg))
-    init_distributed(parallel, seed=1234)
-    config = transformer_config(model_cfg, parallel, recompute=RecomputeConfig(granularity=recompute))
-    model = HybridModel(
-        model_cfg, config,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-    )
-    if load_dir is not None:
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), load_dir))
-    if save_dir is not None:
-        dist_checkpointing.save(model.sharded_state_dict(), save_dir)
-    ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.finalize_model_grads_func = finalize_model_grads
+    ddp_model, model_cfg, config = tiny_ddp_model(layout, load_dir, save_dir,
+                                                  recompute=RecomputeConfig(granularity=recompute))
+    model = ddp_model.module
 
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     row = _packed_row(model_cfg.vocab_size, model_cfg.num_layers, model_cfg.num_experts)

@@ -17,7 +17,7 @@ import torch
 
 from megacispo.parallel.sharded import assemble
 from megacispo.testing.harness import run_distributed
-from megacispo.testing.parallel_case import assert_close_by_key, forward_backward, global_loss
+from megacispo.testing.parallel_case import assert_close_by_key, forward_backward, global_loss, tiny_ddp_model
 
 SEQ_LEN = 32  # two lightning blocks of the tiny model
 GLOBAL_BATCH = 8
@@ -27,28 +27,7 @@ PAD_ID = 0  # the real tokens are drawn from 1 .. V - 1
 
 def _train_step(layout: dict, num_microbatches: int, load_dir: str | None = None, save_dir: str | None = None):
     """One forward-backward of the tiny model over the fixed global batch, run in each rank."""
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-
-    from megacispo.models.config import model_config, model_shape, transformer_config
-    from megacispo.models.model import HybridModel
-    from megacispo.parallel.layout import ParallelConfig, init_distributed, validate_layout, world_size_from_env
-
-    model_cfg = model_config("tiny")
-    parallel = ParallelConfig(**layout)
-    validate_layout(parallel, world_size_from_env(), model_shape(model_cfg))
-    init_distributed(parallel, seed=1234)
-    config = transformer_config(model_cfg, parallel)
-    model = HybridModel(
-        model_cfg, config,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-    )
-    if load_dir is not None:
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), load_dir))
-    if save_dir is not None:
-        dist_checkpointing.save(model.sharded_state_dict(), save_dir)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.finalize_model_grads_func = finalize_model_grads
+    model, model_cfg, _ = tiny_ddp_model(layout, load_dir, save_dir)
 
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(1, model_cfg.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)

@@ -78,7 +78,14 @@ def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None) -> dic
     batch = TrainBatch(**_sequences(rows))
     micro_batches = len(trainer._micro_batches(batch))
     batch.old_logprobs = trainer.compute_old_logprobs(batch)
-    engine = trainer.engine
+    grads = _keep_gradients(trainer.engine)
+    metrics = trainer._update_once(batch)
+    return {"old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads, "micro_batches": micro_batches}
+
+
+def _keep_gradients(engine) -> dict[str, torch.Tensor]:
+    """The dict that the engine's next optimizer step fills, before it applies them, with the gradients
+    of the parameters that train (by name; all-reduced: use_distributed_optimizer is off)."""
     grads: dict[str, torch.Tensor] = {}
     step = engine.step
 
@@ -88,8 +95,7 @@ def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None) -> dic
         return step()
 
     engine.step = step_keeping_grads
-    metrics = trainer._update_once(batch)
-    return {"old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads, "micro_batches": micro_batches}
+    return grads
 
 
 def _budget_for(micro_batches: int) -> int:
@@ -163,14 +169,7 @@ def _sft_step(pack: bool, budget: int, layout: dict | None = None) -> dict:
              for prompt, answer in zip(PROMPTS[:8], RESPONSES[:8])]
     trainer = SFTTrainer(config, engine, CharTokenizer(), pairs, MetricsLogger("runs/unused", enabled=False))
     micro_batches = len(trainer._micro_batches())
-    grads: dict[str, torch.Tensor] = {}
-    step = engine.step
-
-    def step_keeping_grads():
-        grads.update({name: param.main_grad.detach().clone() for name, param in engine.module.named_parameters()})
-        return step()
-
-    engine.step = step_keeping_grads
+    grads = _keep_gradients(engine)
     metrics = trainer.train_step()
     return {"loss": metrics["sft/loss"], "grads": grads, "micro_batches": micro_batches}
 
@@ -221,14 +220,7 @@ def _rl_step(layout: dict | None) -> dict:
     # Of mixed signs but no zero sum, which would leave the loss a small difference of large terms.
     batch.advantages = torch.linspace(-0.5, 1.0, len(batch), device=batch.tokens.device)
     batch.old_logprobs = trainer.compute_old_logprobs(batch)
-    engine, grads, step = trainer.engine, {}, trainer.engine.step
-
-    def step_keeping_grads():
-        grads.update({name: param.main_grad.detach().clone() for name, param in engine.module.named_parameters()
-                      if param.requires_grad})
-        return step()
-
-    engine.step = step_keeping_grads
+    grads = _keep_gradients(trainer.engine)
     metrics = trainer._update_once(batch)
     return {"tokens": batch.tokens, "old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads}
 

@@ -41,6 +41,35 @@ def forward_backward(ddp_model, tokens: torch.Tensor, num_microbatches: int, for
     }
 
 
+def tiny_ddp_model(layout: dict, load_dir: str | None = None, save_dir: str | None = None, **config_options):
+    """This rank's tiny model at ``layout`` (ParallelConfig's fields; torch.distributed started here) in
+    Megatron DDP, with its model config and TransformerConfig (``config_options``: transformer_config's):
+    its weights loaded from ``load_dir`` (a dist checkpoint), or saved to ``save_dir`` as they start."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megacispo.models.config import model_config, model_shape, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed, validate_layout, world_size_from_env
+
+    model_cfg = model_config("tiny")
+    parallel = ParallelConfig(**layout)
+    validate_layout(parallel, world_size_from_env(), model_shape(model_cfg))
+    init_distributed(parallel, seed=1234)
+    config = transformer_config(model_cfg, parallel, **config_options)
+    model = HybridModel(
+        model_cfg, config,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if load_dir is not None:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), load_dir))
+    if save_dir is not None:
+        dist_checkpointing.save(model.sharded_state_dict(), save_dir)
+    ddp_model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp_model, model_cfg, config
+
+
 def global_loss(results) -> torch.Tensor:
     """The global-batch loss: the mean over data-parallel replicas of the last stage's losses."""
     return torch.stack([r["loss"] for r in results if r["last_stage"]]).mean()
