@@ -24,7 +24,7 @@ forwards (no inference_context) along the sequence: each CP rank gets its zigzag
 layers packed_seq_params whose ``cp_group`` is that group. Lightning layers exchange their chunk
 states (models/lightning_cp.py: 2 [heads, d, d] fp32 states sent per rank and layer, whatever the
 length), softmax layers all-gather K and V of the whole row (models/softmax_cp.py: [N, kv heads, d]
-each per rank and layer, and a [N / CP, N] bool mask), RoPE takes each token's position within its
+each per rank and layer), RoPE takes each token's position within its
 document; the embedding, norms, MoE and LM head are per token. What it saves: every activation but
 the softmax layers' gathered K and V is divided by CP. Decoding never splits: each CP rank decodes
 its own sequences whole, as a plain model (the rollouts use CP ranks as generation replicas).

@@ -7,8 +7,8 @@ Packed rows (documents laid end to end in batch 1, packed_seq_params) attend cau
 document; ``attend_documents`` picks the kernel by device. Under context parallelism (a packed row
 whose packed_seq_params.cp_group is set, HybridModel's training forward at CP > 1) each rank holds
 its zigzag share of the row and attends through ``models.softmax_cp.attention_cp``: K and V of the
-whole row all-gathered over the CP group ([1, kv heads, N, d] each per rank, and a
-[1, 1, N / CP, N] bool mask), dK and dV reduce-scattered back. The Transformer Engine backend
+whole row all-gathered over the CP group ([1, kv heads, N, d] each per rank), dK and dV
+reduce-scattered back. The Transformer Engine backend
 (models/te_specs.py) swaps only the projections for TE linears, so its packed and context-parallel
 rows take the same paths.
 """
@@ -35,7 +35,7 @@ from megacispo.models.layers import (
     row_parallel_linear,
 )
 from megacispo.models.softmax_cp import attention_cp, document_causal_mask, masked_attention
-from megacispo.parallel.context import packed_document_ids, zigzag_positions
+from megacispo.parallel.context import packed_document_ids
 
 
 @dataclass
@@ -138,10 +138,7 @@ class SoftmaxAttention(MegatronModule):
     def _attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_seq_params: PackedSeqParams):
         """This CP rank's zigzag tokens q [1, heads, s, d], k and v [1, kv heads, s, d] of a packed row
         of s * CP tokens split over packed_seq_params.cp_group -> [1, heads, s, d]."""
-        group = packed_seq_params.cp_group
-        positions = zigzag_positions(q.shape[2] * group.size(), group.size(), group.rank(), device=q.device)
-        documents = packed_document_ids(packed_seq_params.cu_seqlens_q.to(q.device), positions)
-        return attention_cp(q, k, v, positions, documents, group, self.head_dim**-0.5)
+        return attention_cp(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.cp_group, self.head_dim**-0.5)
 
     def _heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[s, b, heads * d] -> [b, heads, s, d]."""

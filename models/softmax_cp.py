@@ -4,14 +4,12 @@ masks it shares with packed attention on one rank (models.softmax_attention).
 A packed row of N tokens (N a multiple of 2 * CP) is cut into 2 * CP equal chunks; CP rank i holds
 chunk i and chunk 2 * CP - 1 - i, concatenated (``megacispo.parallel.context.zigzag_positions``),
 so that every rank has the same share of the causal work, as Megatron-Core's CP does.
-``attention_cp`` all-gathers K and V over the CP group, lets this rank's queries attend to the
-whole row's keys under the causal mask of their GLOBAL positions restricted to their own document
-(documents may cross chunk and rank boundaries), and in the backward reduce-scatters dK and dV to
-the ranks that own those tokens.
+``attention_cp`` all-gathers K and V over the CP group, lets this rank's queries attend to their own
+document's keys up to their GLOBAL positions (documents may cross chunk and rank boundaries), and in
+the backward reduce-scatters dK and dV to the ranks that own those tokens.
 
-Memory per rank: K and V of the whole row ([b, kv heads, N, d] each, repeated to all heads on CUDA,
-see ``masked_attention``) and a [b, 1, N / CP, N] bool mask; the scores are those of SDPA's kernel
-(the math kernel on the CPU materializes [b, heads, N / CP, N]).
+Memory per rank: K and V of the whole row ([1, kv heads, N, d] each) and what SDPA's causal kernel
+saves for the pieces' queries, linear in N: no [N / CP, N] mask exists.
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+from megacispo.parallel.context import zigzag_positions
 
 
 def document_causal_mask(
@@ -56,40 +56,57 @@ def attention_cp(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    positions: torch.Tensor,
-    document_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
     cp_group: dist.ProcessGroup,
     scale: float,
 ) -> torch.Tensor:
-    """Causal per-document attention of this CP rank's tokens of one packed row -> [b, heads, s, d].
+    """Causal per-document attention of this CP rank's tokens of one packed row -> [1, heads, s, d].
 
-    q [b, heads, s, d], k and v [b, kv heads, s, d]: this rank's s tokens (any split of the row
-    works, zigzag balances the work); positions and document_ids [s] (or [b, s]) long: each token's
-    position in the packed row (``parallel.context.zigzag_positions``; positions restarting per
-    document give the same mask) and its document (``parallel.context.packed_document_ids``). K and
-    V travel in one all-gather (their gradients in one reduce-scatter), positions and documents in
-    another, without gradients."""
-    lengths = {q.shape[2], k.shape[2], v.shape[2], positions.shape[-1], document_ids.shape[-1]}
-    if len(lengths) != 1:
+    q [1, heads, s, d], k and v [1, kv heads, s, d]: this rank's zigzag tokens (``zigzag_positions``:
+    chunk r, then chunk 2 CP - 1 - r) of a row of N = s CP tokens whose documents end at
+    cu_seqlens[1:] (the whole row's offsets, the same on every rank). K and V travel in one all-gather
+    (their gradients in one reduce-scatter). Each piece of a document in a local chunk attends to its
+    document's keys up to the piece's end with SDPA's own causal mask: the piece's queries go after as
+    many zero queries as the document has tokens before the piece (their outputs are dropped and carry
+    no gradient), so no [s, N] mask is built or saved. Memory stays linear in N; the work of a piece is
+    that of its document's prefix (the earlier tokens' queries are computed and dropped).
+    """
+    lengths = {q.shape[2], k.shape[2], v.shape[2]}
+    if len(lengths) != 1 or q.shape[0] != 1:
         raise ValueError(
-            f"attention_cp takes this rank's tokens of q, k, v (sequence lengths {q.shape[2]}, {k.shape[2]}, "
-            f"{v.shape[2]}), positions ({positions.shape[-1]}) and document_ids ({document_ids.shape[-1]}): "
-            f"pass the same tokens' slices of all five."
+            f"attention_cp takes this rank's tokens of one packed row, q [1, heads, s, d] and k, v [1, kv heads, "
+            f"s, d], got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    head_dim = k.shape[-1]
-    # [b, kv, s, 2d] -> [s, b, kv, 2d]: Megatron's sequence gather works along dim 0, and its
-    # backward reduce-scatters there, summing every rank's dK, dV of this rank's tokens.
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    head_dim, local = k.shape[-1], q.shape[2]
+    row_len = local * cp_size
+    # [1, kv, s, 2d] -> [s, 1, kv, 2d]: Megatron's sequence gather works along dim 0, and its backward
+    # reduce-scatters there, summing every rank's dK, dV of this rank's tokens.
     kv = torch.cat([k, v], dim=-1).permute(2, 0, 1, 3).contiguous()
     kv = gather_from_sequence_parallel_region(kv, tensor_parallel_output_grad=True, group=cp_group)
-    kv = kv.permute(1, 2, 0, 3)
-    layout = torch.stack(torch.broadcast_tensors(positions.long(), document_ids.long()))
-    key_layout = _all_gather_last_dim(layout, cp_group)
-    mask = document_causal_mask(positions, document_ids, key_layout[0], key_layout[1])
-    return masked_attention(q, kv[..., :head_dim], kv[..., head_dim:], mask, scale)
-
-
-def _all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``tensor`` [..., s] concatenated along the last dim in rank order (no gradient)."""
-    gathered = tensor.new_empty((group.size() * tensor.shape[0], *tensor.shape[1:]))
-    dist.all_gather_single(gathered, tensor.contiguous(), group=group)
-    return torch.cat(gathered.view(group.size(), *tensor.shape).unbind(0), dim=-1)
+    gathered_positions = torch.cat([zigzag_positions(row_len, cp_size, rank) for rank in range(cp_size)])
+    kv = kv[torch.argsort(gathered_positions).to(kv.device)].permute(1, 2, 0, 3)  # [1, kv, N, 2d], row order
+    keys, values = kv[..., :head_dim], kv[..., head_dim:]
+    offsets = cu_seqlens.tolist()  # the pieces are decided on the host
+    if offsets[0] != 0 or offsets[-1] != row_len:
+        raise ValueError(
+            f"cu_seqlens spans [{offsets[0]}, {offsets[-1]}] but the row has {row_len} tokens ({local} on each of "
+            f"{cp_size} CP ranks): pass the whole row's document offsets"
+        )
+    chunk = local // 2
+    pieces = []
+    for slot, chunk_index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+        start, end = chunk_index * chunk, (chunk_index + 1) * chunk
+        for doc_start, doc_end in zip(offsets[:-1], offsets[1:]):
+            piece_start, piece_end = max(doc_start, start), min(doc_end, end)
+            if piece_start >= piece_end:
+                continue
+            queries = q[:, :, slot * chunk + piece_start - start: slot * chunk + piece_end - start]
+            earlier = piece_start - doc_start
+            queries = torch.cat([queries.new_zeros(1, q.shape[1], earlier, head_dim), queries], dim=2)
+            out = F.scaled_dot_product_attention(
+                queries, keys[:, :, doc_start:piece_end], values[:, :, doc_start:piece_end], is_causal=True,
+                scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            )
+            pieces.append(out[:, :, earlier:])
+    return torch.cat(pieces, dim=2)

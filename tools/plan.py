@@ -97,11 +97,10 @@ distributed optimizer shards over DP x CP. On top of that, per layer and micro-b
     softmax         K and V are all-gathered over the CP group: the layer keeps the WHOLE
                     sequence's keys and values of its kv_heads/TP heads, a 2 W_kv/TP per token of
                     seq_len, not divided by CP (the queries, the output and the log-sum-exp are
-                    the rank's). Scores per the kernel: the plan assumes a flash kernel
-                    (flash-attn's varlen kernel, which keeps none and takes the grouped K and V
-                    as they are). models/softmax_cp.py's SDPA under an explicit mask also holds a
-                    [T, seq_len] bool mask, quadratic in the length, and K and V repeated to all
-                    heads on CUDA: not counted here.
+                    the rank's). Scores per the kernel: none, as flash kernels keep them
+                    (models/softmax_cp.py runs SDPA's causal kernel on each document piece, with
+                    zero queries for the document's earlier tokens: linear in the length too,
+                    those queries' outputs not counted here).
 
 Pipeline: 1F1B without interleaving; stage p holds min(PP - p, micro-batches) micro-batches in
 flight, so the first stage holds PP and the last stage one (plus the LM head).

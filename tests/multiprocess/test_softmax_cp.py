@@ -41,9 +41,8 @@ def _cp_rank() -> dict[str, torch.Tensor]:
     init_distributed(ParallelConfig(), seed=0)
     row = _row()
     positions = zigzag_positions(TOTAL, dist.get_world_size(), dist.get_rank())
-    documents = packed_document_ids(row["cu_seqlens"], positions)
     q, k, v = (row[name][:, :, positions].clone().requires_grad_(True) for name in ("q", "k", "v"))
-    out = attention_cp(q, k, v, positions, documents, dist.group.WORLD, SCALE)
+    out = attention_cp(q, k, v, row["cu_seqlens"], dist.group.WORLD, SCALE)
     out.backward(row["upstream"][:, :, positions])
     return dict(positions=positions, out=out.detach(), q=q.grad, k=k.grad, v=v.grad)
 
