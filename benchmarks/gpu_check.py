@@ -19,9 +19,13 @@
    the ``tiny`` model, in fp32 and in bf16 (--set precision.params_dtype=bfloat16), on the quick
    start's task data and tokenizer (tools/make_task_data.py, tools/train_tokenizer.py) with a small
    config in a temporary run directory: SFT steps (megacispo.sft), CISPO RL steps with rollouts
-   through Trainer and generate (megacispo.train), the checkpoint they save, --resume from it for
-   one more step, and megacispo.score on the result. One row per stage in a table of its own; a
-   failed stage fails its row and the stages that need it, not the check.
+   through Trainer and generate (megacispo.train, packed rows: train.pack_sequences), its first step
+   again in right-padded rows (train.pack_sequences = false) and at context parallelism 2 on 2
+   processes (on 2 GPUs; skipped when fewer are visible), each of which must sample the same
+   rollouts and give the same policy loss, entropy, train/rollout log-prob gap and gradient norm,
+   the checkpoint RL saved, --resume from it for one more step, and megacispo.score on the result.
+   One row per stage in a table of its own; a failed stage fails its row and the stages that need
+   it, not the check.
 
 Prints markdown tables; exits 1 if a check failed (its row says why), 2 without a CUDA GPU.
 
@@ -83,6 +87,10 @@ class StageFailed(Exception):
     """A driver stage ran but went wrong; the message is its row's result."""
 
 
+class StageSkipped(Exception):
+    """A driver stage this machine cannot run (the message says why); it fails nothing."""
+
+
 @dataclass
 class StageRow:
     """One line of the driver's table."""
@@ -92,6 +100,11 @@ class StageRow:
     seconds: float
     result: str
     passed: bool
+    skipped: bool = False
+
+    @property
+    def status(self) -> str:
+        return "skip" if self.skipped else "pass" if self.passed else "FAIL"
 
 
 @dataclass
@@ -116,22 +129,23 @@ class Report:
 
     def run_stage(self, stage: str, dtype: str, action: Callable[[], str]) -> bool:
         """Run one driver stage (``action`` returns its key result); a failure becomes a failed row."""
-        started = time.perf_counter()
+        started, skipped = time.perf_counter(), False
         try:
             result, passed = action(), True
+        except StageSkipped as reason:
+            result, passed, skipped = f"skipped: {reason}", True, True
         except StageFailed as error:
             result, passed = str(error), False
         except Exception as error:  # noqa: BLE001 - a bug of the check itself; the row and the exit status say so
             traceback.print_exc(file=sys.stderr)
             result, passed = f"{type(error).__name__}: {str(error)[:200]}", False
-        self.add_stage(StageRow(stage, dtype, time.perf_counter() - started, result, passed))
-        return passed
+        self.add_stage(StageRow(stage, dtype, time.perf_counter() - started, result, passed, skipped))
+        return passed and not skipped
 
     def add_stage(self, row: StageRow) -> None:
         self.stages.append(row)
         self.failed |= not row.passed
-        status = "pass" if row.passed else "FAIL"
-        print(f"  done: driver {row.stage} / {row.dtype}: {status}", file=sys.stderr, flush=True)
+        print(f"  done: driver {row.stage} / {row.dtype}: {row.status}", file=sys.stderr, flush=True)
 
     def table(self) -> str:
         header = ("check", "case", "max error", "ms", "throughput", "peak memory", "note")
@@ -140,8 +154,8 @@ class Report:
 
     def stage_table(self) -> str:
         header = ("stage", "dtype", "s", "result", "status")
-        cells = [(row.stage, row.dtype, f"{row.seconds:.1f}", row.result.replace("|", "/"),
-                  "pass" if row.passed else "FAIL") for row in self.stages]
+        cells = [(row.stage, row.dtype, f"{row.seconds:.1f}", row.result.replace("|", "/"), row.status)
+                 for row in self.stages]
         return markdown_table(header, cells)
 
 
@@ -170,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     loss.add_argument("--loss-tokens", type=int, default=8192)
     loss.add_argument("--vocab-shard", type=int, default=25008, help="V/TP: MiniMax-M1's 200,064 over TP 8")
     loss.add_argument("--hidden", type=int, default=6144)
-    driver = parser.add_argument_group("the driver (tiny model, torchrun with 1 process)")
+    driver = parser.add_argument_group(f"the driver (tiny model, torchrun with 1 process, {CP_SIZE} at CP {CP_SIZE})")
     driver.add_argument("--driver-dtype", action="append", choices=DRIVER_DTYPES, default=None,
                         help="weight dtype of a driver run (repeatable; default: both)")
     driver.add_argument("--run-dir", default=None,
@@ -550,9 +564,10 @@ def loss_checks(args: argparse.Namespace, report: Report) -> None:
 
 SFT_STEPS = 8
 RL_STEPS = 2
+RL_UPDATES = 2
 SCORED_SEQUENCES = 4
 # tests/support/reward_fixtures.py, loaded by the trainer as module:function.
-SPREAD_REWARD = "megacispo.testing.reward_fixtures:odd_length"
+SPREAD_REWARD = "megacispo.testing.reward_fixtures:code_point_parity"
 # torchrun's variables, which init_distributed also sets in this process (section 2): a child that
 # inherited them would join this process's world instead of the one its torchrun makes.
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -578,6 +593,8 @@ class DriverRun:
     dtype: str
     env: dict[str, str]
     timeout_s: float
+    gpus: int
+    """CUDA GPUs the driver's processes may use (0: the CPU twin, whose gloo processes need none)."""
 
     @property
     def run_dir(self) -> Path:
@@ -587,15 +604,17 @@ class DriverRun:
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def config_args(self, *overrides: str) -> list[str]:
-        settings = [f"train.run_dir={self.run_dir}", f"sft.out={self.run_dir / 'sft'}",
+    def config_args(self, *overrides: str, run_dir: Path | None = None) -> list[str]:
+        """The config and the settings of this dtype's runs; ``run_dir`` (default: the dtype's own) is
+        where a run writes, the SFT checkpoint it starts from stays the dtype's."""
+        settings = [f"train.run_dir={run_dir or self.run_dir}", f"sft.out={self.run_dir / 'sft'}",
                     f"train.load={self.run_dir / 'sft' / 'checkpoints'}", f"precision.params_dtype={self.dtype}",
                     *overrides]
         return ["--config", str(self.inputs.config), *(arg for setting in settings for arg in ("--set", setting))]
 
-    def launch(self, stage: str, module: str, *args: str) -> str:
-        """``torchrun --standalone --nproc-per-node 1 -m module args``; its output."""
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    def launch(self, stage: str, module: str, *args: str, processes: int = 1) -> str:
+        """``torchrun --standalone --nproc-per-node processes -m module args``; its output."""
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "-m", module, *args]
         return run_logged(command, self.run_dir / "logs" / f"{stage}.log", self.env, self.timeout_s)
 
@@ -699,9 +718,10 @@ def driver_config(data: Path, tokenizer: Path) -> dict:
                  "sft_pairs": str(data / "sft.jsonl"), "tokenizer": str(tokenizer)},
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4, "max_sampling_rounds": 2},
         # An untrained model earns exact_match's reward almost never: all advantages would be 0, and so
-        # would the policy loss. The end-to-end tests' reward spreads every group's rewards.
-        "rl": {"loss": {"name": "cispo", "params": {"eps_low": 1.0, "eps_high": 4.0}}, "updates_per_rollout": 2,
-               "reward": SPREAD_REWARD},
+        # would the policy loss. A test fixture's reward spreads every group's rewards from step 1 on,
+        # so the policy gradient that padded and cp compare is not 0.
+        "rl": {"loss": {"name": "cispo", "params": {"eps_low": 1.0, "eps_high": 4.0}},
+               "updates_per_rollout": RL_UPDATES, "reward": SPREAD_REWARD},
         "optimizer": {"lr": 1.0e-4, "clip_grad": 1.0},
         "train": {"steps": RL_STEPS, "micro_batch_size": 8},
         "sft": {"steps": SFT_STEPS, "batch_size": 16, "lr": 3.0e-3},
@@ -744,6 +764,62 @@ def rl_stage(run: DriverRun) -> str:
 
 def per_step(values: dict[int, float], spec: str) -> str:
     return " / ".join(f"{values[step]:{spec}}" for step in sorted(values))
+
+
+# What the padded and cp stages' one RL step must give at the rl stage's first step, from the same SFT
+# checkpoint and seed: the same samples, then what the training passes compute, within a tolerance
+# (relative, absolute) per weight dtype (differently shaped rows add differently rounded sums).
+SAME_SAMPLES = ("rollout/reward_mean", "loss/num_tokens")
+FORWARD_METRICS = {"loss/policy_loss": "policy loss", "loss/entropy": "entropy",
+                   "mismatch/abs_logp_diff_mean": "|old - rollout logp|", "perf/grad_norm": "grad norm"}
+TOLERANCE = {"float32": (1e-3, 1e-5), "bfloat16": (5e-2, 2e-3)}
+CP_SIZE = 2
+
+
+def first_step(run_dir: Path) -> dict[str, float]:
+    """The step-1 scalars of a run's TensorBoard events."""
+    return {key: value for key, values in read_scalars(run_dir).items() for step, value in values if step == 1}
+
+
+def one_step_as_rl(run: DriverRun, *overrides: str, run_dir: Path) -> list[str]:
+    """The settings of one RL step in ``run_dir`` on the rl stage's learning-rate schedule (its
+    cosine decays over all of rl's updates), so that its step 1 is rl's."""
+    return run.config_args("train.steps=1", f"optimizer.decay_steps={RL_STEPS * RL_UPDATES}", *overrides,
+                           run_dir=run_dir)
+
+
+def step_one_as_rl(run: DriverRun, run_dir: Path, stage: str) -> str:
+    """The step 1 of ``stage``'s run in ``run_dir`` against the rl stage's step 1; what both give."""
+    reference, other = first_step(run.run_dir), first_step(run_dir)
+    missing = [key for key in (*SAME_SAMPLES, *FORWARD_METRICS) if key not in reference or key not in other]
+    require(not missing, f"no step-1 value of {missing} in {run_dir} or {run.run_dir}")
+    for key in SAME_SAMPLES:
+        require(math.isclose(other[key], reference[key], rel_tol=1e-6),
+                f"{stage} sampled other rollouts than rl at step 1 ({key} {other[key]:.6g}, rl {reference[key]:.6g}): "
+                f"nothing to compare")
+    relative, absolute = TOLERANCE[run.dtype]
+    values = {name: (other[key], reference[key]) for key, name in FORWARD_METRICS.items()}
+    far = [f"{name} {value:.6g}, rl {expected:.6g}" for name, (value, expected) in values.items()
+           if not math.isclose(value, expected, rel_tol=relative, abs_tol=absolute)]
+    require(not far, f"step 1 differs from rl's beyond {relative:g} relative / {absolute:g} absolute: {'; '.join(far)}")
+    return ", ".join(f"{name} {value:.4g} (rl {expected:.4g})" for name, (value, expected) in values.items())
+
+
+def padded_stage(run: DriverRun) -> str:
+    """One RL step in right-padded rows (train.pack_sequences = false) gives the packed rl stage's step 1."""
+    run_dir = run.run_dir / "padded"
+    run.launch("padded", "megacispo.train", *one_step_as_rl(run, "train.pack_sequences=false", run_dir=run_dir))
+    return f"padded rows, step 1 as packed rl: {step_one_as_rl(run, run_dir, 'padded')}"
+
+
+def cp_stage(run: DriverRun) -> str:
+    """One RL step at CP = 2 on 2 processes (each holds half of every packed row) gives rl's step 1."""
+    if 0 < run.gpus < CP_SIZE:
+        raise StageSkipped(f"{run.gpus} CUDA GPU visible, CP = {CP_SIZE} needs {CP_SIZE} (GPU=0,1)")
+    run_dir = run.run_dir / f"cp{CP_SIZE}"
+    run.launch("cp", "megacispo.train", *one_step_as_rl(run, f"parallel.context_parallel_size={CP_SIZE}",
+                                                        run_dir=run_dir), processes=CP_SIZE)
+    return f"CP {CP_SIZE}, step 1 as rl: {step_one_as_rl(run, run_dir, 'cp')}"
 
 
 def save_stage(run: DriverRun) -> str:
@@ -796,6 +872,8 @@ def score_stage(run: DriverRun) -> str:
 DRIVER_STAGES: tuple[tuple[str, Callable[[DriverRun], str], str | None], ...] = (
     ("sft", sft_stage, None),
     ("rl", rl_stage, "sft"),
+    ("padded", padded_stage, "rl"),
+    ("cp", cp_stage, "rl"),
     ("save", save_stage, "rl"),
     ("resume", resume_stage, "save"),
     ("score", score_stage, "save"),
@@ -814,8 +892,9 @@ def driver_checks(args: argparse.Namespace, report: Report) -> None:
         return summary
 
     if report.run_stage("data + tokenizer", "-", prepare):
+        gpus = torch.cuda.device_count() if device == "cuda" else 0
         for dtype in args.driver_dtype:
-            run_driver_stages(DriverRun(prepared[0], dtype, child_env(device), args.stage_timeout), report)
+            run_driver_stages(DriverRun(prepared[0], dtype, child_env(device), args.stage_timeout, gpus), report)
     if args.run_dir:
         print(f"driver runs kept in {root}", file=sys.stderr)
     elif not all(row.passed for row in report.stages):
@@ -853,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.rows:
         print(report.table() + "\n")
     if report.stages:
-        print("driver stages (torchrun, 1 process, tiny model):\n")
+        print(f"driver stages (torchrun, 1 process; cp: {CP_SIZE}; tiny model):\n")
         print(report.stage_table())
     return 1 if report.failed else 0
 

@@ -18,6 +18,7 @@ ENTRY_ARGS+=(
     ${EP:+--set "parallel.expert_model_parallel_size=$EP"}
     ${ETP:+--set "parallel.expert_tensor_parallel_size=$ETP"}
     ${SP:+--set "parallel.sequence_parallel=$SP"}
+    ${CP:+--set "parallel.context_parallel_size=$CP"}
 )
 # RL recipe.
 ENTRY_ARGS+=(

@@ -13,7 +13,7 @@
 #   CONFIG [examples/configs/minimax_m1_512gpu.yaml]
 #   MODULE [megacispo.train]      or megacispo.sft for the supervised warm start
 #   TORCHRUN [torchrun]           e.g. .venv/bin/torchrun
-#   TP, PP, EP, ETP, SP           parallel layout overrides (SP = true | false)
+#   TP, PP, EP, ETP, SP, CP       parallel layout overrides (SP = true | false; CP: context parallelism)
 #   STEPS, LOSS, UPDATES_PER_ROLLOUT, MICRO_BATCH   RL overrides
 #   RUN_DIR, CHECKPOINT_EVERY     where TensorBoard logs and checkpoints go, and how often
 #   SHUTDOWN_TIMEOUT [300]        seconds torchrun lets the ranks save after SIGTERM before SIGKILL

@@ -1,16 +1,29 @@
 """The GPU check's CPU twin (``benchmarks/gpu_check.sh --cpu``) run from the tests, and its driver
-table read back (tests/multiprocess/test_gpu_check.py, tests/slow/test_gpu_check.py)."""
+table read back (tests/multiprocess/test_gpu_check.py, tests/slow/test_gpu_check.py); the check's
+script imported to test its parts in-process."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE_HEADER = "| stage | dtype | s | result | status |"
-DRIVER_STAGES = ["sft", "rl", "save", "resume", "score"]
+DRIVER_STAGES = ["sft", "rl", "padded", "cp", "save", "resume", "score"]
+
+
+def load_gpu_check() -> ModuleType:
+    """benchmarks/gpu_check.py as a module, registered in sys.modules (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location("megacispo_benchmarks_gpu_check",
+                                                  REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_twin(run_dir: Path, dtype: str, *extra: str) -> subprocess.CompletedProcess:
