@@ -50,7 +50,7 @@ class PackedRow:
     num_sequences: int
     """Sequences in the row, the trailing padding counted as one."""
     packed_seq_params: PackedSeqParams
-    """The row's boundaries for the model (cu_seqlens over every position, the padding included)."""
+    """The row's boundaries for the model (cu_seqlens over every position, the padding included, on the host)."""
     batch_width: int
     """S: the width of the batch the row gathers from."""
 
@@ -175,7 +175,9 @@ def _packed_row(members: list[int], lengths: Sequence[int], batch_width: int, wi
         boundaries.append(boundaries[-1] + length)
     if used < width:
         boundaries.append(width)
-    cu_seqlens = torch.tensor(boundaries, dtype=torch.int32, device=device)
+    # On the host: the layers read the offsets there (their block layouts, the CP pieces), which a copy
+    # on the GPU would make a device sync in every layer; kernels that take them copy them over.
+    cu_seqlens = torch.tensor(boundaries, dtype=torch.int32, device="cpu")
     longest = max(b - a for a, b in zip(boundaries[:-1], boundaries[1:]))
     return PackedRow(
         rows=tuple(members),
