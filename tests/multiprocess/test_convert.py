@@ -275,8 +275,8 @@ def test_scores_equal_transformers(workspace, scored, layout):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--set", "parallel.pipeline_model_parallel_size=3"], r"pipeline_model_parallel_size = 1 \* 3"),
-    (["--set", "parallel.tensor_model_parallel_size=3"], r"pipeline_model_parallel_size = 3 \* 1"),
+    (["--set", "parallel.pipeline_model_parallel_size=3"], r"context_parallel_size = 1 \* 3 \* 1 = 3"),
+    (["--set", "parallel.tensor_model_parallel_size=3"], r"context_parallel_size = 3 \* 1 \* 1 = 3"),
 ])
 def test_score_refuses_bad_layout_before_work(workspace, converted, args, message):
     from megacispo import score
