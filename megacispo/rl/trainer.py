@@ -51,7 +51,7 @@ from megacispo.rl.start import RunStart, checkpoint_root
 from megacispo.rollout.generate import Samples, generate, sample_keys
 from megacispo.rollout.remote import RemoteRollouts, concat_samples
 from megacispo.training.engine import Engine
-from megacispo.training.packing import PackedRow, agreed_bins, pack_rows
+from megacispo.training.packing import PackedRow
 
 # The extra_state key of the adapted clip bounds in a checkpoint.
 ADAPTIVE_CLIP_STATE = "adaptive_clip"
@@ -99,9 +99,7 @@ class TrainBatch:
     @property
     def sequences(self) -> Sequences:
         """Which sequence each predicted token belongs to, for the loss."""
-        if self.packed is None:
-            return Sequences.rows(self.loss_mask)
-        return Sequences(self.packed.sequence_ids, self.packed.num_sequences)
+        return Sequences.rows(self.loss_mask) if self.packed is None else self.packed.sequences
 
     @property
     def predicted(self) -> torch.Tensor:
@@ -497,13 +495,7 @@ class Trainer:
             size = train.micro_batch_size
             return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
         lengths = (~batch.padding_mask).sum(dim=1).tolist()  # one copy to the host per pass
-        width = batch.tokens.shape[1]
-        budget = train.max_tokens_per_micro_batch or train.micro_batch_size * width
-        # The data-parallel ranks agree on the count; a replica's CP ranks pack the same rows.
-        num_bins = agreed_bins(lengths, budget, self.dp_group, self.engine.device)
-        cp = self.engine.groups.cp
-        rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device,
-                         cp_size=cp.size(), cp_rank=cp.rank())
+        rows = self.engine.packed_rows(lengths, batch.tokens.shape[1])
         route_masks = rollout_route_masks(batch)
         return [self._packed(batch, row, route_masks) for row in rows]
 

@@ -27,6 +27,7 @@ from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig, transforme
 from megacispo.models.model import HybridModel
 from megacispo.parallel.layout import ParallelConfig, run_device
 from megacispo.parallel.vocab_parallel import lm_head_input, lm_head_logprobs
+from megacispo.training.packing import PackedRow, agreed_bins, pack_rows
 
 
 def build_inference_model(
@@ -206,6 +207,17 @@ class Engine:
         tensor_parallel = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
         chunks = 2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1
         return tensor_parallel * chunks
+
+    def packed_rows(self, lengths: list[int], batch_width: int) -> list[PackedRow]:
+        """The packed micro-batches of sequences of ``lengths`` (host ints) right-padded to ``batch_width``:
+        rows of train.max_tokens_per_micro_batch tokens (0: train.micro_batch_size x ``batch_width``), as
+        many on every data-parallel rank, each holding this CP rank's share (a replica's CP ranks pack
+        the same rows)."""
+        train = self.config.train
+        budget = train.max_tokens_per_micro_batch or train.micro_batch_size * batch_width
+        num_bins = agreed_bins(lengths, budget, self.groups.dp, self.device)
+        return pack_rows(lengths, batch_width, budget, num_bins, self.length_multiple, self.device,
+                         cp_size=self.groups.cp.size(), cp_rank=self.groups.cp.rank())
 
     def padded_length(self, length: int) -> int:
         """``length`` right-padded to ``length_multiple``."""

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megacispo.parallel.context import zigzag_positions
+from megacispo.rl.losses import Sequences
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class PackedRow:
 
     width: int
     """W: the row's positions, on all CP ranks together."""
+
+    @property
+    def sequences(self) -> Sequences:
+        """Which sequence each of this rank's positions belongs to, for the loss."""
+        return Sequences(self.sequence_ids, self.num_sequences)
 
     def pack(self, values: torch.Tensor, fill: float | int | bool = 0) -> torch.Tensor:
         """[n, S', ...] per-position values of the batch (S' <= S: positions past S' are ``fill``) ->

@@ -25,7 +25,7 @@ from megacispo.parallel.layout import destroy_distributed, init_distributed
 from megacispo.rl.losses import Sequences, count_loss_tokens, reduce_metrics
 from megacispo.startup import bad_input_exits
 from megacispo.training.engine import Engine
-from megacispo.training.packing import PackedRow, agreed_bins, pack_rows
+from megacispo.training.packing import PackedRow
 
 # A console line with the metrics every this many steps (and at the last); the bar shows the rest.
 CONSOLE_EVERY = 50
@@ -44,9 +44,7 @@ class SFTMicroBatch:
 
     @property
     def sequences(self) -> Sequences:
-        if self.packed is None:
-            return Sequences.rows(self.loss_mask)
-        return Sequences(self.packed.sequence_ids, self.packed.num_sequences)
+        return Sequences.rows(self.loss_mask) if self.packed is None else self.packed.sequences
 
 
 class SFTTrainer:
@@ -119,13 +117,8 @@ class SFTTrainer:
         train, pad_id = self.config.train, self.tokenizer.pad_id
         if train.pack_sequences:
             batch = batch.to(self.engine.device)
-            lengths = [len(example.token_ids) - 1 for example in examples]
-            width = batch.input_ids.shape[1]
-            budget = train.max_tokens_per_micro_batch or train.micro_batch_size * width
-            num_bins = agreed_bins(lengths, budget, self.engine.groups.dp, self.engine.device)
-            cp = self.engine.groups.cp
-            rows = pack_rows(lengths, width, budget, num_bins, self.engine.length_multiple, self.engine.device,
-                             cp_size=cp.size(), cp_rank=cp.rank())
+            rows = self.engine.packed_rows([len(example.token_ids) - 1 for example in examples],
+                                           batch.input_ids.shape[1])
             return [SFTMicroBatch(row.pack(batch.input_ids, pad_id), row.pack(batch.labels, pad_id),
                                   row.pack(batch.loss_mask), row.pack(batch.padding_mask, True), row) for row in rows]
         batch = _pad_to(batch, self.engine.padded_length(batch.input_ids.shape[1]), pad_id).to(self.engine.device)
