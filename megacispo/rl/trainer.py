@@ -360,11 +360,8 @@ class Trainer:
         """Every CP rank's samples and rewards of the data-parallel rank's records, in CP rank order."""
         cp = self.engine.groups.cp
         parts: list = [None] * cp.size()
-        # Pickled as host copies: a GPU tensor would be unpickled onto the sending rank's GPU.
-        host = Samples(*(getattr(samples, name).cpu() for name in Samples.__dataclass_fields__))
-        dist.all_gather_object(parts, (host, scores), group=cp)
-        gathered = concat_samples([part for part, _ in parts], self.tokenizer.pad_id)
-        gathered = Samples(*(getattr(gathered, name).to(self.engine.device) for name in Samples.__dataclass_fields__))
+        dist.all_gather_object(parts, (samples.to("cpu"), scores), group=cp)
+        gathered = concat_samples([part for part, _ in parts], self.tokenizer.pad_id).to(self.engine.device)
         return gathered, RewardScores(
             rewards=[reward for _, part in parts for reward in part.rewards],
             num_failures=sum(part.num_failures for _, part in parts),

@@ -76,6 +76,11 @@ class Samples:
     def select(self, rows: torch.Tensor | slice) -> Samples:
         return Samples(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
 
+    def to(self, device: torch.device | str) -> Samples:
+        """Every tensor on ``device`` (host copies go between processes: a pickled GPU tensor would be
+        unpickled onto the sender's GPU)."""
+        return Samples(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
+
     def padding_mask(self, width: int) -> torch.Tensor:
         """[n, width] bool: True after each sequence's prompt and response (tokens right-padded to width)."""
         return right_padding_mask(self.prompt_lengths + self.response_lengths, width)

@@ -126,9 +126,8 @@ def _generate_share(config: Config, tokenizer, model, reward_fn, bridge: Bridge,
     # One sample at a time: the training ranks count the failures of their own rows.
     scores = [score_responses(reward_fn, [response_text(tokenizer, samples, row)], [record], config.rl.failure_reward,
                               timeout_s=config.rl.reward_timeout_s) for row, record in enumerate(repeated)]
-    host = Samples(*(getattr(samples, name).cpu() for name in Samples.__dataclass_fields__))
-    return RoundShare(version, host, [s.rewards[0] for s in scores], [s.first_failure if s.num_failures else ""
-                                                                        for s in scores])
+    failures = [s.first_failure if s.num_failures else "" for s in scores]
+    return RoundShare(version, samples.to("cpu"), [s.rewards[0] for s in scores], failures)
 
 
 # -- the training processes -------------------------------------------------------------------------
@@ -241,8 +240,7 @@ class RemoteRollouts:
         if isinstance(outcome[0], RolloutProcessLost):
             raise outcome[0]
         round_ = outcome[0]
-        round_.samples = Samples(*(getattr(round_.samples, name).to(self.device)
-                                   for name in Samples.__dataclass_fields__))
+        round_.samples = round_.samples.to(self.device)
         return round_
 
     def _ask_ahead(self, step: int) -> None:
