@@ -1,38 +1,68 @@
 """The GPU check: on one CUDA GPU, in a few minutes, the numbers the CPU test suite cannot give.
 
+A row fails on an exception and on a wrong number: each bounded row shows what it measured, its
+bound and its status; a failed bound fails the row (its note says which value is over which bound)
+and the exit status, not the rest of the check.
+
 1. lightning attention: the Triton kernel (models/lightning_triton.py, what models.lightning
    dispatches to on CUDA) against the block-wise torch implementation of models/lightning.py
    (the CPU path, run on the GPU): forward and backward error of Triton fp32 / bf16 inputs against
-   the torch implementation in fp64, packed documents included, and forward + backward time of each
-   in fp32 (what the mixer feeds it); fla's chunk_simple_gla with the same per-head decay as a peer
-   when fla is installed (its error against the same fp64 reference, and its time).
+   the torch implementation in fp64, packed documents included, relative error at most 1e-4 (fp32)
+   and 3e-2 (bf16) for the output and each input's gradient; forward + backward time of each in
+   fp32 (what the mixer feeds it); fla's chunk_simple_gla with the same per-head decay as a peer
+   when fla is installed (its error against the same fp64 reference and its time, unbounded: an
+   fla that raises is a note in its row, not a failure); then the registers per thread and the
+   spills of every Triton kernel the rows above compiled.
 2. a training step of the ``small`` model through the Engine (Megatron DDP, optimizer), world size 1:
    bf16 weights with local layers, bf16 with Transformer Engine layers, and FP8 (Transformer Engine,
    --fp8-recipe): tokens/s, MFU (training FLOPs from the model config over the GPU's dense bf16
    peak), peak memory, and the loss difference between FP8 and bf16 with the same TE layers after
-   the same steps on the same data from the same weights. The TE rows need transformer-engine.
+   the same steps on the same data from the same weights. Each row's loss must fall over its
+   steps, and FP8's loss must stay within 0.05 of bf16's at every step. The TE rows need
+   transformer-engine.
 3. the vocab-parallel loss (parallel/vocab_parallel.py) against a full fp64 log-softmax: the
    log-probs and their gradient from a vocabulary shard of M1's size (V/TP = 200,064 / 8), the
-   fused chunked LM head against logits @ log_softmax, with time and peak memory.
+   fused chunked LM head against logits @ log_softmax, with time and peak memory; relative error
+   at most 1e-5.
+4. decode: ``generate`` on the ``small`` model with rollout.dtype = bfloat16, rollout.compile_decode
+   off and on, 16 slots: decode tokens/s, CUDA kernels per decode step (torch.profiler) and host
+   syncs per decode step (torch.cuda.set_sync_debug_mode("warn")), each the difference of two
+   generate calls of 16 and 64 tokens over their 48 decode steps (prefill excluded). Unbounded.
 
-4. the driver, as a user runs it: torchrun (NCCL, world size 1) launches the real entry points on
+5. the driver, as a user runs it: torchrun (NCCL, world size 1) launches the real entry points on
    the ``tiny`` model, in fp32 and in bf16 (--set precision.params_dtype=bfloat16), on the quick
    start's task data and tokenizer (tools/make_task_data.py, tools/train_tokenizer.py) with a small
    config in a temporary run directory: SFT steps (megacispo.sft), CISPO RL steps with rollouts
    through Trainer and generate (megacispo.train, packed rows: train.pack_sequences), its first step
    again in right-padded rows (train.pack_sequences = false) and at context parallelism 2 on 2
-   processes (on 2 GPUs; skipped when fewer are visible), each of which must sample the same
-   rollouts and give the same policy loss, entropy, train/rollout log-prob gap and gradient norm,
-   the checkpoint RL saved, --resume from it for one more step, and megacispo.score on the result.
-   One row per stage in a table of its own; a failed stage fails its row and the stages that need
-   it, not the check.
+   processes, each of which must sample the same rollouts and give the same policy loss, entropy,
+   train/rollout log-prob gap and gradient norm; one step with bf16 rollouts through the compiled
+   decode step (rollout.dtype = bfloat16, rollout.compile_decode = true; train/rollout log-prob
+   gap at most 0.05); the RL steps with FP8 GEMMs (precision.fp8 = --fp8-recipe, the bf16 half
+   only, needs transformer-engine): finite rollouts, and where they sample what the bf16 rl stage
+   sampled, its policy loss and entropy within 0.05 of rl's; where two GPUs are visible, the
+   multi-GPU block: rl's first step at TP = 2 + EP = 2 (4 processes and expert TP 2 on 4 GPUs, 2
+   and expert TP 1 on 2 or 3), and the RL steps with placement.rollout_ranks = 1 (a training
+   process and a rollout process that gets the weights by a sync after every update; its gap no
+   larger than rl's); the checkpoint RL saved, --resume from it for one more step, and
+   megacispo.score on the result. One row per stage in a table of its own; a failed stage fails
+   its row and the stages that need it, not the check.
 
 Prints markdown tables; exits 1 if a check failed (its row says why), 2 without a CUDA GPU.
 
     bash benchmarks/gpu_check.sh            (or: python benchmarks/gpu_check.py --help)
 
+Time budget: gpu_check.sh stops the check at TIME_LIMIT_S (540 s: a lent GPU gives 10 minutes per
+call) and passes --budget-s 20 s below it; past the budget no section and no driver stage starts
+(its row fails, saying so) and a running stage is stopped, so the tables print before the limit.
+Aimed at: sections 1-4 about 2 minutes; the driver the rest, 19 torchrun launches at 2+ GPUs (13 on
+one) of about 15 s each where CUDA starts fast (on the CPU twin they take 7-18 s, the compiled bf16
+rollout 35 s). Not yet measured on a GPU: where the budget runs out, --driver-dtype bfloat16 halves
+the driver and --skip-stage leaves single stages out.
+
 The CPU twin: the driver stages alone, on the CPU with gloo, fp32 and bf16 (CI runs its fp32
-half, tests/multiprocess/test_gpu_check.py; --driver-dtype float32 chooses it):
+half, tests/multiprocess/test_gpu_check.py; --driver-dtype float32 chooses it); the stages that
+need several processes run as gloo processes there, FP8 is skipped (no Transformer Engine):
 
     bash benchmarks/gpu_check.sh --cpu
 """
@@ -41,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import inspect
 import json
@@ -54,10 +85,11 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import yaml
@@ -70,17 +102,42 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER_DTYPES = ("float32", "bfloat16")
 
 
+# The bounds a row must keep (relative errors: max |actual - expected| / max |expected|).
+LIGHTNING_BOUND = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+LM_HEAD_BOUND = 1e-5
+FP8_LOSS_BOUND = 0.05
+
+
 @dataclass
 class Row:
-    """One line of the table."""
+    """One line of the table; ``failure`` (empty: passed) says why it failed: for a bound, the
+    measured value and the bound."""
 
     check: str
     case: str
     error: str = "-"
+    bound: str = "-"
     time: str = "-"
     throughput: str = "-"
     memory: str = "-"
     note: str = ""
+    failure: str = ""
+    skipped: bool = False
+
+    @property
+    def status(self) -> str:
+        return "FAIL" if self.failure else "skip" if self.skipped else "pass"
+
+
+def over_bound(values: dict[str, float], bound: float) -> str:
+    """The values above ``bound`` or not finite, as "name value > bound"; empty when every one keeps it."""
+    return "; ".join(f"{name} {value:.2e} > {bound:g}" for name, value in values.items() if not value <= bound)
+
+
+def error_row(check: str, case: str, errors: dict[str, float], bound: float, **cells: str) -> Row:
+    """A row of measured relative errors that fails where one is over ``bound``."""
+    return Row(check, case, error=", ".join(f"{name} {value:.1e}" for name, value in errors.items()),
+               bound=f"<= {bound:g}", failure=over_bound(errors, bound), **cells)
 
 
 class StageFailed(Exception):
@@ -109,13 +166,15 @@ class StageRow:
 
 @dataclass
 class Report:
+    budget: Budget = field(default_factory=lambda: Budget(0))
     rows: list[Row] = field(default_factory=list)
     stages: list[StageRow] = field(default_factory=list)
     failed: bool = False
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
-        print(f"  done: {row.check} / {row.case}", file=sys.stderr, flush=True)
+        self.failed |= bool(row.failure)
+        print(f"  done: {row.check} / {row.case}: {row.status}", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def check(self, check: str, case: str):
@@ -123,9 +182,8 @@ class Report:
         try:
             yield
         except Exception as error:  # noqa: BLE001 - reported in the table, the exit status says it failed
-            self.failed = True
             traceback.print_exc(file=sys.stderr)
-            self.add(Row(check, case, note=f"FAILED: {type(error).__name__}: {str(error)[:120]}"))
+            self.add(Row(check, case, failure=f"{type(error).__name__}: {str(error)[:120]}"))
 
     def run_stage(self, stage: str, dtype: str, action: Callable[[], str]) -> bool:
         """Run one driver stage (``action`` returns its key result); a failure becomes a failed row."""
@@ -148,9 +206,11 @@ class Report:
         print(f"  done: driver {row.stage} / {row.dtype}: {row.status}", file=sys.stderr, flush=True)
 
     def table(self) -> str:
-        header = ("check", "case", "max error", "ms", "throughput", "peak memory", "note")
-        cells = [(row.check, row.case, row.error, row.time, row.throughput, row.memory, row.note) for row in self.rows]
-        return markdown_table(header, cells)
+        header = ("check", "case", "max error", "bound", "ms", "throughput", "peak memory", "status", "note")
+        cells = [(row.check, row.case, row.error, row.bound, row.time, row.throughput, row.memory, row.status,
+                  "; ".join(part for part in (row.failure and f"FAILED: {row.failure}", row.note) if part))
+                 for row in self.rows]
+        return markdown_table(header, [tuple(cell.replace("|", "/") for cell in line) for line in cells])
 
     def stage_table(self) -> str:
         header = ("stage", "dtype", "s", "result", "status")
@@ -177,24 +237,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--micro-batch", type=int, default=8)
     train.add_argument("--seq-len", type=int, default=1024)
     train.add_argument("--steps", type=int, default=20, help="optimizer steps per precision (after 3 warm-up steps)")
-    train.add_argument("--fp8-recipe", default="tensorwise", choices=("delayed", "tensorwise", "blockwise", "mxfp8"))
+    train.add_argument("--fp8-recipe", default="tensorwise", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
+                       help="precision.fp8 of the FP8 training rows and of the driver's fp8 stage")
     train.add_argument("--peak-tflops", type=float, default=None,
                        help="dense bf16 peak of the GPU for MFU (default: known from the GPU's name)")
     loss = parser.add_argument_group("vocab-parallel loss")
     loss.add_argument("--loss-tokens", type=int, default=8192)
     loss.add_argument("--vocab-shard", type=int, default=25008, help="V/TP: MiniMax-M1's 200,064 over TP 8")
     loss.add_argument("--hidden", type=int, default=6144)
-    driver = parser.add_argument_group(f"the driver (tiny model, torchrun with 1 process, {CP_SIZE} at CP {CP_SIZE})")
+    driver = parser.add_argument_group("the driver (tiny model, torchrun with 1 process; 2 or 4: multi-GPU block)")
     driver.add_argument("--driver-dtype", action="append", choices=DRIVER_DTYPES, default=None,
                         help="weight dtype of a driver run (repeatable; default: both)")
     driver.add_argument("--run-dir", default=None,
                         help="where the driver runs write (kept); default: a temporary directory, removed if every "
                              "stage passed")
     driver.add_argument("--stage-timeout", type=float, default=300.0, help="seconds one driver process may run")
+    driver.add_argument("--skip-stage", action="append", default=[], choices=LEAF_STAGES,
+                        help="leave out a driver stage no other stage needs (repeatable; its row says skipped)")
     parser.add_argument("--cpu", action="store_true",
                         help="the CPU twin: only the driver stages, on the CPU with gloo (no CUDA needed)")
-    parser.add_argument("--skip", action="append", default=[], choices=("lightning", "train", "loss", "driver"),
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=("lightning", "train", "loss", "decode", "driver"),
                         help="leave out a section (repeatable)")
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="seconds the whole check may run: past them no section or driver stage starts and a "
+                             "running stage is stopped, its row failed (0: no limit; gpu_check.sh: TIME_LIMIT_S - 20)")
     args = parser.parse_args(argv)
     args.driver_dtype = args.driver_dtype or list(DRIVER_DTYPES)
     return args
@@ -209,6 +276,14 @@ def require_cuda() -> None:
             file=sys.stderr,
         )
         raise SystemExit(2)
+
+
+@functools.cache
+def world_of_one() -> None:
+    """This process as a world of one (NCCL, Megatron-Core's parallel state), once for every section."""
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(), seed=1234)
 
 
 def cuda_ms(step: Callable[[], None], repeats: int, warmup: int = 2) -> float:
@@ -300,7 +375,7 @@ def forward_backward(fn, q, k, v, grad_out, decay, dtype, cu_seqlens=None):
 def lightning_checks(args: argparse.Namespace, report: Report) -> None:
     heads, head_dim = args.heads, args.head_dim
     peer = fla_peer()
-    candidates = {"triton": triton_kernel, **({"fla chunk_simple_gla": peer} if peer else {})}
+    peers = {"fla chunk_simple_gla": peer} if peer else {}
     tokens = args.error_tokens
     cases = {
         f"2 x {tokens} tokens": (2, tokens, None),
@@ -309,6 +384,7 @@ def lightning_checks(args: argparse.Namespace, report: Report) -> None:
             1, tokens, torch.tensor([0, tokens // 4, tokens // 4 + 1, tokens], device="cuda", dtype=torch.int32)
         ),
     }
+    note = "vs torch block-wise fp64 on the same rounded inputs, relative to the largest reference value"
     for case, (batch, seq_len, cu_seqlens) in cases.items():
         with report.check("lightning error", case):
             q, k, v, grad_out, decay = lightning_inputs(batch, seq_len, heads, head_dim)
@@ -316,36 +392,81 @@ def lightning_checks(args: argparse.Namespace, report: Report) -> None:
                 # The reference sees the inputs rounded to the candidate's dtype: the error is the kernel's.
                 rounded = [x.to(dtype).double() for x in (q, k, v, grad_out)]
                 reference = forward_backward(torch_blockwise, *rounded, decay, torch.float64, cu_seqlens)
-                for name, fn in candidates.items():
+
+                def errors(fn) -> dict[str, float]:
                     result = forward_backward(fn, *rounded, decay, dtype, cu_seqlens)
-                    errors = [relative_error(a, e) for a, e in zip(result, reference)]
-                    report.add(Row("lightning error", f"{name} {str(dtype).removeprefix('torch.')}, {case}",
-                                   error=f"out {errors[0]:.1e}, grads {max(errors[1:]):.1e}",
-                                   note="vs torch block-wise fp64 on the same rounded inputs, "
-                                        "relative to the largest reference value"))
+                    return dict(zip(("out", "dq", "dk", "dv"), map(relative_error, result, reference)))
+
+                label = f"{str(dtype).removeprefix('torch.')}, {case}"
+                report.add(error_row("lightning error", f"triton {label}", errors(triton_kernel),
+                                     LIGHTNING_BOUND[dtype], note=note))
+                for name, fn in peers.items():
+                    report.add(peer_row("lightning error", f"{name} {label}", lambda: Row(
+                        "", "", error=", ".join(f"{key} {value:.1e}" for key, value in errors(fn).items()),
+                        note=f"{note}; a peer, unbounded")))
 
     seq_len = args.speed_tokens
     q, k, v, grad_out, decay = lightning_inputs(1, seq_len, heads, head_dim)
-    timed = {"torch block-wise": torch_blockwise, **candidates}
-    for name, fn in timed.items():
-        with report.check("lightning speed", f"{name} fp32"):
-            leaves = [x.float().requires_grad_(True) for x in (q, k, v)]
-            grad = grad_out.float()
+    case = f"fp32, 1 x {seq_len} x {heads} heads x {head_dim}"
+    for name, fn in {"torch block-wise": torch_blockwise, "triton": triton_kernel, **peers}.items():
+        timed = lambda: lightning_speed_row(fn, q, k, v, grad_out, decay)  # noqa: E731
+        if name in peers:
+            report.add(peer_row("lightning speed", f"{name} {case}", timed))
+        else:
+            with report.check("lightning speed", f"{name} {case}"):
+                report.add(replace(timed(), check="lightning speed", case=f"{name} {case}"))
+    with report.check("triton kernels", "registers"):
+        for row in triton_kernel_rows():
+            report.add(row)
 
-            def forward():
-                with torch.no_grad():
-                    fn(*leaves, decay)
 
-            def forward_backward_step():
-                for leaf in leaves:
-                    leaf.grad = None
-                fn(*leaves, decay).backward(grad)
+def peer_row(check: str, case: str, measure: Callable[[], Row]) -> Row:
+    """``measure``'s row for a peer implementation (fla): what it raises is the row's note, not a failure."""
+    try:
+        row = measure()
+    except Exception as error:  # noqa: BLE001 - a peer's failure is reported, it is not ours
+        return Row(check, case, note=f"the peer raised {type(error).__name__}: {str(error)[:120]}")
+    return replace(row, check=check, case=case)
 
-            forward_ms = cuda_ms(forward, repeats=5)
-            step_ms = cuda_ms(forward_backward_step, repeats=5)
-            report.add(Row("lightning speed", f"{name} fp32, 1 x {seq_len} x {heads} heads x {head_dim}",
-                           time=f"fwd {forward_ms:.2f}, fwd+bwd {step_ms:.2f}",
-                           throughput=f"{seq_len / step_ms / 1e3:.2f} Mtok/s fwd+bwd"))
+
+def lightning_speed_row(fn, q, k, v, grad_out, decay) -> Row:
+    """Forward and forward + backward time of ``fn`` in fp32."""
+    leaves = [x.float().requires_grad_(True) for x in (q, k, v)]
+    grad = grad_out.float()
+
+    def forward():
+        with torch.no_grad():
+            fn(*leaves, decay)
+
+    def forward_backward_step():
+        for leaf in leaves:
+            leaf.grad = None
+        fn(*leaves, decay).backward(grad)
+
+    forward_ms = cuda_ms(forward, repeats=5)
+    step_ms = cuda_ms(forward_backward_step, repeats=5)
+    return Row("", "", time=f"fwd {forward_ms:.2f}, fwd+bwd {step_ms:.2f}",
+               throughput=f"{q.shape[1] / step_ms / 1e3:.2f} Mtok/s fwd+bwd")
+
+
+def triton_kernel_rows() -> list[Row]:
+    """Registers per thread and spills of every compiled variant of the lightning kernels (Triton's
+    compiled-kernel metadata, read from the kernels' caches after the rows above ran them)."""
+    from megacispo.models import lightning_triton
+
+    rows = []
+    for kernel in (lightning_triton._state_scan_kernel, lightning_triton._block_output_kernel):
+        for device, (compiled_kernels, *_) in kernel.device_caches.items():
+            for compiled in compiled_kernels.values():
+                compiled._init_handles()  # loads the binary, which is what reports n_regs and n_spills
+                names = compiled.src.fn.arg_names
+                constants = {names[index[0]]: value for index, value in compiled.src.constants.items()
+                             if len(index) == 1 and names[index[0]].isupper()}
+                variant = " ".join(f"{name}={value}" for name, value in sorted(constants.items()))
+                rows.append(Row("triton kernels", f"{compiled.name} {variant}", note=(
+                    f"{compiled.n_regs} registers per thread, {compiled.n_spills} spilled, "
+                    f"{compiled.metadata.num_warps} warps, {compiled.metadata.shared} B shared memory, GPU {device}")))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,9 +561,8 @@ def train_small(args: argparse.Namespace, overrides: list[str], start_weights: d
 def train_checks(args: argparse.Namespace, report: Report) -> None:
     from megacispo.models.config import model_config
     from megacispo.models.te_specs import require_transformer_engine
-    from megacispo.parallel.layout import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(), seed=1234)
+    world_of_one()
     model = model_config("small")
     generator = torch.Generator(device="cuda").manual_seed(0)
     # Four batches cycled: the model memorises them, so the losses fall and the FP8 - bf16 gap is
@@ -453,12 +573,10 @@ def train_checks(args: argparse.Namespace, report: Report) -> None:
     flops = training_flops_per_token(model, args.seq_len)
     peak = peak_tflops(args)
 
-    def add(case: str, result: TrainResult, note: str) -> None:
+    def add(case: str, result: TrainResult, note: str, bf16_losses: list[float] | None = None) -> None:
         tokens_per_s = tokens_per_step / (result.step_ms / 1e3)
         mfu = f", MFU {flops * tokens_per_s / (peak * 1e12):.1%}" if peak else ", MFU: pass --peak-tflops"
-        report.add(Row("train step small", case, time=f"{result.step_ms:.1f}",
-                       throughput=f"{tokens_per_s:,.0f} tok/s{mfu}", memory=f"{result.peak_gib:.2f} GiB",
-                       note=f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}; {note}"))
+        report.add(train_row(case, result, f"{tokens_per_s:,.0f} tok/s{mfu}", note, bf16_losses))
 
     bf16 = ["precision.params_dtype=bfloat16"]
     with report.check("train step small", "bf16, local layers"):
@@ -469,15 +587,32 @@ def train_checks(args: argparse.Namespace, report: Report) -> None:
         require_transformer_engine(args.fp8_recipe)
     except ValueError as error:
         for case in ("bf16, TE layers", f"fp8 {args.fp8_recipe}, TE layers"):
-            report.add(Row("train step small", case, note=f"skipped: {error}"))
+            report.add(Row("train step small", case, note=f"skipped: {error}", skipped=True))
         return
     with report.check("train step small", f"bf16 / fp8 {args.fp8_recipe}, TE layers"):
         reference = train_small(args, te_bf16, None, batches)
         add("bf16, TE layers", reference, f"{flops / 1e6:.0f} MFLOP per token")
         quantized = train_small(args, fp8, reference.weights, batches)
-        gaps = [abs(a - b) for a, b in zip(quantized.losses, reference.losses)]
-        add(f"fp8 {args.fp8_recipe}, TE layers", quantized,
-            f"|loss - bf16 TE| last {gaps[-1]:.4f}, max {max(gaps):.4f} over {len(gaps)} steps")
+        add(f"fp8 {args.fp8_recipe}, TE layers", quantized, "vs bf16 TE: same weights, data and steps",
+            reference.losses)
+
+
+def train_row(case: str, result: TrainResult, throughput: str, note: str,
+              bf16_losses: list[float] | None = None) -> Row:
+    """A training row: it fails if the loss did not fall over the steps, or, given the bf16 run's
+    losses (an FP8 row), if a step's loss is more than FP8_LOSS_BOUND from bf16's."""
+    first, last = result.losses[0], result.losses[-1]
+    error, bound = f"loss {first:.3f} -> {last:.3f}", "loss falls"
+    failures = [] if last < first else [f"the loss did not fall: {first:.4f} -> {last:.4f}"]
+    if bf16_losses is not None:
+        gaps = [abs(a - b) for a, b in zip(result.losses, bf16_losses)]
+        worst = max(gaps) if all(map(math.isfinite, gaps)) else math.nan
+        error += f"; |fp8 - bf16| last {gaps[-1]:.4f}, max {worst:.4f} over {len(gaps)} steps"
+        bound += f"; |fp8 - bf16| <= {FP8_LOSS_BOUND:g}"
+        if over := over_bound({"max |fp8 - bf16 loss|": worst}, FP8_LOSS_BOUND):
+            failures.append(over)
+    return Row("train step small", case, error=error, bound=bound, time=f"{result.step_ms:.1f}", throughput=throughput,
+               memory=f"{result.peak_gib:.2f} GiB", note=note, failure="; ".join(failures))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,10 +657,11 @@ def loss_checks(args: argparse.Namespace, report: Report) -> None:
 
         ours_ms, ours_gib = measured(ours)
         torch_ms, torch_gib = measured(torch_fp32)
-        report.add(Row("vocab-parallel loss", f"vocab_parallel_logprobs, {num_tokens} x {vocab} fp32 logits",
-                       error=f"logp {errors[0]:.1e}, grad {errors[1]:.1e}", time=f"{ours_ms:.2f}",
-                       memory=f"{ours_gib:.2f} GiB",
-                       note=f"vs fp64 log_softmax; torch fp32 log_softmax: {torch_ms:.2f} ms, {torch_gib:.2f} GiB"))
+        report.add(error_row("vocab-parallel loss", f"vocab_parallel_logprobs, {num_tokens} x {vocab} fp32 logits",
+                             dict(zip(("logp", "grad"), errors)), LM_HEAD_BOUND, time=f"{ours_ms:.2f}",
+                             memory=f"{ours_gib:.2f} GiB",
+                             note=f"vs fp64 log_softmax; torch fp32 log_softmax: {torch_ms:.2f} ms, "
+                                  f"{torch_gib:.2f} GiB"))
         logits = None  # frees the GPU memory; the timed closures above are done with it
 
     with report.check("vocab-parallel loss", "fused LM head"):
@@ -551,15 +687,96 @@ def loss_checks(args: argparse.Namespace, report: Report) -> None:
 
         fused_ms, fused_gib = measured(fused)
         unfused_ms, unfused_gib = measured(unfused)
-        report.add(Row("vocab-parallel loss", f"lm_head_logprobs (fused), {num_tokens} tokens, H {hidden_size}",
-                       error=f"logp {errors[0]:.1e}, grads {max(errors[1:]):.1e}", time=f"{fused_ms:.2f}",
-                       memory=f"{fused_gib:.2f} GiB",
-                       note=f"vs fp64; unfused logits + vocab_parallel_logprobs: {unfused_ms:.2f} ms, "
-                            f"{unfused_gib:.2f} GiB"))
+        report.add(error_row("vocab-parallel loss", f"lm_head_logprobs (fused), {num_tokens} tokens, H {hidden_size}",
+                             dict(zip(("logp", "grad hidden", "grad weight"), errors)), LM_HEAD_BOUND,
+                             time=f"{fused_ms:.2f}", memory=f"{fused_gib:.2f} GiB",
+                             note=f"vs fp64; unfused logits + vocab_parallel_logprobs: {unfused_ms:.2f} ms, "
+                                  f"{unfused_gib:.2f} GiB"))
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. The driver
+# 4. Decode
+# ---------------------------------------------------------------------------------------------
+
+DECODE_SLOTS = 16
+DECODE_PROMPT_TOKENS = 64
+# Two generate calls of these many new tokens: their difference is decode steps alone, prefill and
+# set-up cancel out (every sample runs to its limit: no stop ids).
+DECODE_SHORT, DECODE_LONG = 16, 64
+
+
+def decode_checks(args: argparse.Namespace, report: Report) -> None:
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig
+
+    world_of_one()
+    config = model_config("small")
+    torch.manual_seed(0)
+    model = HybridModel(config, transformer_config(config, ParallelConfig())).cuda()
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, config.vocab_size, (DECODE_SLOTS, DECODE_PROMPT_TOKENS), generator=generator).tolist()
+    for compiled in (False, True):
+        case = f"small, {DECODE_SLOTS} slots, bf16, compile_decode {'on' if compiled else 'off'}"
+        with report.check("decode", case):
+            report.add(decode_row(model, prompts, compiled, case))
+    del model
+    torch.cuda.empty_cache()
+
+
+def decode_row(model, prompts: list[list[int]], compiled: bool, case: str) -> Row:
+    """Decode tokens/s, CUDA kernels and host syncs per decode step of ``generate``."""
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import generate, sample_keys
+
+    def call(new_tokens: int) -> Callable[[], None]:
+        rollout = RolloutConfig(max_new_tokens=new_tokens, temperature=1.0, dtype="bfloat16", compile_decode=compiled)
+        keys = sample_keys((0,), range(len(prompts)), 1, device="cuda")
+        return lambda: generate(model, prompts, rollout, stop_ids=[], pad_id=0, keys=keys)
+
+    short, long = call(DECODE_SHORT), call(DECODE_LONG)
+    long()  # warm-up: compiles the decode step (and its dynamic-length recompile) when compiled
+    seconds = {}
+    for name, step in (("short", short), ("long", long)):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        seconds[name] = time.perf_counter() - started
+    steps = DECODE_LONG - DECODE_SHORT
+    step_s = (seconds["long"] - seconds["short"]) / steps
+    kernels = (cuda_kernels(long) - cuda_kernels(short)) / steps
+    syncs = (host_syncs(long) - host_syncs(short)) / steps
+    return Row("decode", case, time=f"{step_s * 1e3:.2f} per step",
+               throughput=f"{len(prompts) / step_s:,.0f} decode tok/s",
+               note=f"{kernels:.1f} CUDA kernels and {syncs:.2f} host syncs per decode step, over {steps} steps "
+                    f"(prompts of {DECODE_PROMPT_TOKENS} tokens)")
+
+
+def cuda_kernels(step: Callable[[], None]) -> int:
+    """The CUDA kernels ``step`` ran, as torch.profiler records them (copies and fills not counted)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        step()
+        torch.cuda.synchronize()
+    return sum(event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith(("Memcpy", "Memset"))
+               for event in profile.events())
+
+
+def host_syncs(step: Callable[[], None]) -> int:
+    """The host syncs ``step`` made: the warnings torch.cuda.set_sync_debug_mode("warn") gives for each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The driver
 # ---------------------------------------------------------------------------------------------
 
 SFT_STEPS = 8
@@ -586,6 +803,23 @@ class DriverInputs:
 
 
 @dataclass
+class Budget:
+    """The seconds the whole check may run (--budget-s; 0: no limit), counted from its start: past it
+    nothing more starts, so the tables print before gpu_check.sh's timeout ends the process."""
+
+    seconds: float
+    started: float = field(default_factory=time.perf_counter)
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.started) if self.seconds else math.inf
+
+    def spent(self) -> str:
+        """Why a part did not run, once the budget is spent."""
+        return (f"not run: the check's time budget of {self.seconds:.0f} s is spent (--budget-s; gpu_check.sh: "
+                f"TIME_LIMIT_S - 20); leave sections out with --skip or raise TIME_LIMIT_S")
+
+
+@dataclass
 class DriverRun:
     """The driver stages of one weight dtype, in a run directory of their own under the inputs' root."""
 
@@ -595,6 +829,8 @@ class DriverRun:
     timeout_s: float
     gpus: int
     """CUDA GPUs the driver's processes may use (0: the CPU twin, whose gloo processes need none)."""
+    fp8_recipe: str = "tensorwise"
+    budget: Budget = field(default_factory=lambda: Budget(0))
 
     @property
     def run_dir(self) -> Path:
@@ -613,10 +849,14 @@ class DriverRun:
         return ["--config", str(self.inputs.config), *(arg for setting in settings for arg in ("--set", setting))]
 
     def launch(self, stage: str, module: str, *args: str, processes: int = 1) -> str:
-        """``torchrun --standalone --nproc-per-node processes -m module args``; its output."""
+        """``torchrun --standalone --nproc-per-node processes -m module args``; its output. It runs
+        for at most timeout_s, and not past the budget."""
+        left = self.budget.left()
+        if left <= 0:
+            raise StageFailed(self.budget.spent())
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "-m", module, *args]
-        return run_logged(command, self.run_dir / "logs" / f"{stage}.log", self.env, self.timeout_s)
+        return run_logged(command, self.run_dir / "logs" / f"{stage}.log", self.env, min(self.timeout_s, left))
 
 
 def child_env(device: str) -> dict[str, str]:
@@ -782,10 +1022,21 @@ def first_step(run_dir: Path) -> dict[str, float]:
 
 
 def one_step_as_rl(run: DriverRun, *overrides: str, run_dir: Path) -> list[str]:
-    """The settings of one RL step in ``run_dir`` on the rl stage's learning-rate schedule (its
-    cosine decays over all of rl's updates), so that its step 1 is rl's."""
-    return run.config_args("train.steps=1", f"optimizer.decay_steps={RL_STEPS * RL_UPDATES}", *overrides,
-                           run_dir=run_dir)
+    """The settings of one RL step in ``run_dir`` as the rl stage's first (``steps_as_rl``)."""
+    return steps_as_rl(run, 1, *overrides, run_dir=run_dir)
+
+
+def steps_as_rl(run: DriverRun, steps: int, *overrides: str, run_dir: Path) -> list[str]:
+    """The settings of ``steps`` RL steps in ``run_dir`` on the rl stage's learning-rate schedule (its
+    cosine decays over all of rl's updates), so that they follow rl's; without the held-out
+    evaluation, which only rl checks."""
+    return run.config_args(f"train.steps={steps}", f"optimizer.decay_steps={RL_STEPS * RL_UPDATES}",
+                           "eval.greedy=false", *overrides, run_dir=run_dir)
+
+
+def by_step(run_dir: Path, key: str) -> dict[int, float]:
+    """{step: value} of one scalar of a run's TensorBoard events."""
+    return dict(read_scalars(run_dir).get(key, []))
 
 
 def step_one_as_rl(run: DriverRun, run_dir: Path, stage: str) -> str:
@@ -820,6 +1071,123 @@ def cp_stage(run: DriverRun) -> str:
     run.launch("cp", "megacispo.train", *one_step_as_rl(run, f"parallel.context_parallel_size={CP_SIZE}",
                                                         run_dir=run_dir), processes=CP_SIZE)
     return f"CP {CP_SIZE}, step 1 as rl: {step_one_as_rl(run, run_dir, 'cp')}"
+
+
+# rollout.dtype = bfloat16 against fp32 or bf16 training: the mean |old - rollout log-prob| per token
+# is bf16's rounding of the logits (4e-3 seen on the CPU twin); wrong weights or a broken compiled
+# step give log-probs of another model.
+BF16_ROLLOUT_GAP = 0.05
+# FP8 GEMMs in training against the rollout's: e4m3 keeps 3 mantissa bits, the gap is larger than bf16's.
+FP8_ROLLOUT_GAP = 0.1
+LOGP_GAP = "mismatch/abs_logp_diff_mean"
+# Bounds of the stages whose rollouts differ from rl's, checked at every step they run.
+STEP_KEYS = {"loss/policy_loss": "policy loss", "rollout/reward_mean": "reward mean", LOGP_GAP: "|old - rollout logp|"}
+
+
+def steps_within(values: dict[str, dict[int, float]], steps: list[int], gap_bound: float) -> str:
+    """StageFailed unless every step has finite STEP_KEYS and a log-prob gap within ``gap_bound``;
+    the values per step otherwise."""
+    for key, name in STEP_KEYS.items():
+        require_finite(values[key], name, steps)
+    over = {step: gap for step, gap in values[LOGP_GAP].items() if not gap <= gap_bound}
+    require(not over, f"|old - rollout logp| over {gap_bound:g} at step(s) {sorted(over)}: "
+                      f"{', '.join(f'{over[step]:.3g}' for step in sorted(over))}")
+    return ", ".join(f"{name} {per_step(values[key], '.4g')}" for key, name in STEP_KEYS.items())
+
+
+def bf16_rollout_stage(run: DriverRun) -> str:
+    """One RL step whose rollouts generate in bf16 through the compiled decode step (the GPU default
+    for a run without TP, PP or EP): finite, with a log-prob gap of bf16's size."""
+    run_dir = run.run_dir / "bf16_rollout"
+    run.launch("bf16-rollout", "megacispo.train", *one_step_as_rl(
+        run, "rollout.dtype=bfloat16", "rollout.compile_decode=true", run_dir=run_dir))
+    values = {key: by_step(run_dir, key) for key in STEP_KEYS}
+    result = steps_within(values, [1], BF16_ROLLOUT_GAP)
+    rollout_s = by_step(run_dir, "perf/time_rollout_s").get(1, math.nan)
+    return f"rollout.dtype bfloat16, compiled decode: {result} (gap <= {BF16_ROLLOUT_GAP:g}); rollout {rollout_s:.1f} s"
+
+
+def fp8_stage(run: DriverRun) -> str:
+    """rl's steps with FP8 GEMMs: finite rollouts and losses, a bounded log-prob gap at each step
+    (step 2's rollouts use the weights of step 1's update); where step 1 samples what rl sampled,
+    its policy loss and entropy within FP8_LOSS_BOUND of rl's."""
+    from megacispo.models.te_specs import require_transformer_engine
+
+    if run.dtype != "bfloat16":
+        raise StageSkipped("FP8 trains bf16 weights: it runs in the bfloat16 half")
+    try:
+        require_transformer_engine(run.fp8_recipe)
+    except ValueError as error:
+        raise StageSkipped(str(error)) from None
+    run_dir = run.run_dir / "fp8"
+    run.launch("fp8", "megacispo.train", *steps_as_rl(run, RL_STEPS, f"precision.fp8={run.fp8_recipe}",
+                                                        run_dir=run_dir))
+    return fp8_result({key: by_step(run_dir, key) for key in (*STEP_KEYS, "loss/entropy", "loss/num_tokens")},
+                      first_step(run.run_dir), run.fp8_recipe)
+
+
+def fp8_result(values: dict[str, dict[int, float]], bf16_step_one: dict[str, float], recipe: str) -> str:
+    """The fp8 stage's verdict on its scalars ``values`` and the bf16 rl stage's step 1."""
+    result = f"fp8 {recipe}: {steps_within(values, list(range(1, RL_STEPS + 1)), FP8_ROLLOUT_GAP)}"
+    for key in ("loss/entropy", "loss/num_tokens"):
+        require_finite(values[key], key, list(range(1, RL_STEPS + 1)))
+    fp8_step_one = {key: steps[1] for key, steps in values.items()}
+    if not all(math.isclose(fp8_step_one[key], bf16_step_one[key], rel_tol=1e-6) for key in SAME_SAMPLES):
+        return (f"{result}; step 1 sampled other rollouts than bf16 rl (reward mean "
+                f"{fp8_step_one['rollout/reward_mean']:.4g}, rl {bf16_step_one['rollout/reward_mean']:.4g}): "
+                f"losses not compared")
+    gaps = {name: abs(fp8_step_one[key] - bf16_step_one[key])
+            for key, name in (("loss/policy_loss", "policy loss"), ("loss/entropy", "entropy"))}
+    over = over_bound({f"|{name} - rl's|": gap for name, gap in gaps.items()}, FP8_LOSS_BOUND)
+    require(not over, f"step 1, the same samples as bf16 rl: {over}")
+    return f"{result}; step 1 as bf16 rl: " + ", ".join(f"|{name} - rl's| {gap:.2g}" for name, gap in gaps.items())
+
+
+def tp_ep_stage(run: DriverRun) -> str:
+    """One RL step at TP = 2 + EP = 2 gives rl's step 1: 4 processes with the experts split by TP 2
+    too where 4 GPUs are visible, else 2 processes with expert TP 1 (the CPU twin: 2)."""
+    if 0 < run.gpus < 2:
+        raise StageSkipped(f"{run.gpus} CUDA GPU visible, TP = 2 + EP = 2 needs 2 (GPU=0,1)")
+    processes = 4 if run.gpus >= 4 else 2
+    expert_tp = processes // 2
+    run_dir = run.run_dir / "tp2_ep2"
+    run.launch("tp2-ep2", "megacispo.train", *one_step_as_rl(
+        run, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+        "parallel.expert_model_parallel_size=2", f"parallel.expert_tensor_parallel_size={expert_tp}",
+        run_dir=run_dir), processes=processes)
+    return (f"{processes} processes, TP 2, EP 2, expert TP {expert_tp}, step 1 as rl: "
+            f"{step_one_as_rl(run, run_dir, 'tp2-ep2')}")
+
+
+def rollout_ranks_stage(run: DriverRun) -> str:
+    """rl's steps with placement.rollout_ranks = 1: 1 training process, 1 that generates on weights
+    it gets by a sync before every step's rollout. Their samples are not rl's (a rollout process
+    draws its own prompt rounds), so what is compared is the train/rollout log-prob gap."""
+    if 0 < run.gpus < 2:
+        raise StageSkipped(f"{run.gpus} CUDA GPU visible, a training and a rollout process need 2 (GPU=0,1)")
+    run_dir = run.run_dir / "rollout_ranks"
+    run.launch("rollout-ranks", "megacispo.train", *steps_as_rl(run, RL_STEPS, "placement.rollout_ranks=1",
+                                                                  run_dir=run_dir), processes=2)
+    keys = (*STEP_KEYS, "perf/weight_sync_s")
+    return rollout_ranks_result({key: by_step(run_dir, key) for key in keys}, by_step(run.run_dir, LOGP_GAP),
+                                TOLERANCE[run.dtype][1])
+
+
+def rollout_ranks_result(values: dict[str, dict[int, float]], rl_gaps: dict[int, float], absolute: float) -> str:
+    """The rollout-ranks stage's verdict: a weight sync at every step, and a log-prob gap no larger
+    than twice rl's at the same step plus ``absolute``: the synced weights are the trainer's (a
+    rollout on other weights, stale ones included, gives log-probs of another model)."""
+    steps = list(range(1, RL_STEPS + 1))
+    require_finite(values["perf/weight_sync_s"], "weight sync seconds", steps)
+    unsynced = [step for step, seconds in values["perf/weight_sync_s"].items() if not seconds > 0]
+    require(not unsynced, f"no weight sync at step(s) {unsynced}")
+    result = steps_within(values, steps, math.inf)
+    bounds = {step: 2 * rl_gaps[step] + absolute for step in steps}
+    over = [f"step {step}: {values[LOGP_GAP][step]:.3g} > {bounds[step]:.3g}" for step in steps
+            if not values[LOGP_GAP][step] <= bounds[step]]
+    require(not over, f"|old - rollout logp| over 2 x rl's + {absolute:g}: {'; '.join(over)}")
+    return (f"1 training + 1 rollout process: {result}; weight sync {per_step(values['perf/weight_sync_s'], '.2f')} s; "
+            f"gap <= 2 x rl's {per_step(rl_gaps, '.3g')} + {absolute:g}")
 
 
 def save_stage(run: DriverRun) -> str:
@@ -874,10 +1242,15 @@ DRIVER_STAGES: tuple[tuple[str, Callable[[DriverRun], str], str | None], ...] = 
     ("rl", rl_stage, "sft"),
     ("padded", padded_stage, "rl"),
     ("cp", cp_stage, "rl"),
+    ("bf16-rollout", bf16_rollout_stage, "rl"),
+    ("fp8", fp8_stage, "rl"),
+    ("tp2-ep2", tp_ep_stage, "rl"),
+    ("rollout-ranks", rollout_ranks_stage, "rl"),
     ("save", save_stage, "rl"),
     ("resume", resume_stage, "save"),
     ("score", score_stage, "save"),
 )
+LEAF_STAGES = tuple(stage for stage, _, _ in DRIVER_STAGES if stage not in {needs for _, _, needs in DRIVER_STAGES})
 
 
 def driver_checks(args: argparse.Namespace, report: Report) -> None:
@@ -894,7 +1267,9 @@ def driver_checks(args: argparse.Namespace, report: Report) -> None:
     if report.run_stage("data + tokenizer", "-", prepare):
         gpus = torch.cuda.device_count() if device == "cuda" else 0
         for dtype in args.driver_dtype:
-            run_driver_stages(DriverRun(prepared[0], dtype, child_env(device), args.stage_timeout, gpus), report)
+            run = DriverRun(prepared[0], dtype, child_env(device), args.stage_timeout, gpus, args.fp8_recipe,
+                            report.budget)
+            run_driver_stages(run, report, args.skip_stage)
     if args.run_dir:
         print(f"driver runs kept in {root}", file=sys.stderr)
     elif not all(row.passed for row in report.stages):
@@ -903,27 +1278,35 @@ def driver_checks(args: argparse.Namespace, report: Report) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_driver_stages(run: DriverRun, report: Report) -> None:
+def run_driver_stages(run: DriverRun, report: Report, skipped: Iterable[str] = ()) -> None:
     passed: set[str] = set()
     for stage, action, needs in DRIVER_STAGES:
-        if needs is not None and needs not in passed:
+        if stage in skipped:
+            report.add_stage(StageRow(stage, run.dtype, 0.0, "skipped: --skip-stage", passed=True, skipped=True))
+        elif needs is not None and needs not in passed:
             report.add_stage(StageRow(stage, run.dtype, 0.0, f"not run: it needs {needs}", passed=False))
         elif report.run_stage(stage, run.dtype, lambda: action(run)):
             passed.add(stage)
+
+
+SECTIONS = {"lightning": lightning_checks, "train": train_checks, "loss": loss_checks, "decode": decode_checks,
+            "driver": driver_checks}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.cpu:
         require_cuda()
-    report = Report()
+    report = Report(Budget(args.budget_s))
     started = time.perf_counter()
-    sections = {"lightning": lightning_checks, "train": train_checks, "loss": loss_checks, "driver": driver_checks}
-    chosen = ["driver"] if args.cpu else [name for name in sections if name not in args.skip]
+    chosen = ["driver"] if args.cpu else [name for name in SECTIONS if name not in args.skip]
     for name in chosen:
+        if report.budget.left() <= 0:
+            report.add(Row(name, "section", failure=report.budget.spent()))
+            continue
         print(f"{name} ...", file=sys.stderr, flush=True)
         with report.check(name, "section"):
-            sections[name](args, report)
+            SECTIONS[name](args, report)
     if args.cpu:
         title = f"# GPU check's CPU twin: the driver on the CPU (gloo, torch {torch.__version__})"
     else:
@@ -932,7 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.rows:
         print(report.table() + "\n")
     if report.stages:
-        print(f"driver stages (torchrun, 1 process; cp: {CP_SIZE}; tiny model):\n")
+        print(f"driver stages (torchrun, 1 process; cp: {CP_SIZE}, tp2-ep2: 2 or 4, rollout-ranks: 2; tiny model):\n")
         print(report.stage_table())
     return 1 if report.failed else 0
 

@@ -411,7 +411,7 @@ def rollout_bytes(config: Config, samples: int) -> tuple[int, int]:
     held = samples * (SAMPLE_OBJECT_BYTES + positions * (POSITION_BYTES + route_bytes))
     cache = rollout_cache_bytes(model, range(layers), slots=min(config.rollout.max_running or samples, samples),
                                 max_length=positions, tensor_parallel=parallel.tensor_model_parallel_size,
-                                kv_bytes=torch.finfo(getattr(torch, config.rollout.dtype)).bits // 8)
+                                kv_bytes=config.rollout.torch_dtype(torch.cuda.is_available()).itemsize)
     return held, cache
 
 
@@ -494,7 +494,7 @@ def config_rollout_bytes(config: Config) -> int:
     parallel, model = config.parallel, config.model
     pp = parallel.pipeline_model_parallel_size
     per_stage = model.num_layers // pp
-    kv_bytes = torch.finfo(getattr(torch, config.rollout.dtype)).bits // 8
+    kv_bytes = config.rollout.torch_dtype(torch.cuda.is_available()).itemsize
     return max(
         rollout_cache_bytes(
             model, range(stage * per_stage, (stage + 1) * per_stage), slots=config.rollout.max_running,

@@ -47,6 +47,7 @@ from megacispo.models import te_specs
 from megacispo.models.config import LIGHTNING, HybridModelConfig
 from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP
 from megacispo.models.layers import (
+    AttentionStep,
     InferenceCache,
     RMSNorm,
     local_column_parallel_linear,
@@ -166,19 +167,13 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         moe_out, _ = self.mlp(normed, padding_mask=padding_mask)
         return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, moe_out)
 
-    def step(
-        self,
-        hidden: torch.Tensor,
-        cache: InferenceCache,
-        rotary_pos_cos: torch.Tensor | None = None,
-        rotary_pos_sin: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
         """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
         what forward computes for a one-token decode step, through the mixer's and the MoE's
-        ``step`` (no Megatron linears, router or token dispatcher in this process).
-        rotary_pos_cos / _sin [b, 1, rotary_dim] at the token's position (softmax layers)."""
+        ``step`` (no Megatron linears, router or token dispatcher in this process). ``attention``:
+        what the step's softmax layers share (``AttentionStep``; None in a model without them)."""
         normed = self.input_layernorm.step(hidden)
-        mixed = self.self_attention.step(normed, cache, rotary_pos_cos, rotary_pos_sin)
+        mixed = self.self_attention.step(normed, cache, attention)
         hidden = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
         normed = self.pre_mlp_layernorm.step(hidden)
         return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, self.mlp.step(normed))
@@ -186,9 +181,14 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
 
 def scaled_residual(alpha: float, normed: torch.Tensor, beta: float, update: torch.Tensor) -> torch.Tensor:
     """MiniMax's post-norm residual alpha * normed + beta * update (the residual carries the
-    normalized input). beta = 1 (MiniMax's value) skips that product: multiplying by 1 is exact."""
+    normalized input), as one add with alpha. beta = 1 (MiniMax's value) skips that product:
+    multiplying by 1 is exact."""
     scaled_update = update if beta == 1.0 else scalar_operand(beta, update) * update
-    return scalar_operand(alpha, normed) * normed + scaled_update
+    if torch.compiler.is_compiling():
+        # A compiled graph fuses the two ops anyway; inductor (torch 2.13) miscompiled add's alpha in
+        # the lean decode step (logits off by 10: tests/multiprocess/test_lean_decode.py).
+        return scalar_operand(alpha, normed) * normed + scaled_update
+    return torch.add(scaled_update, normed, alpha=alpha)
 
 
 def local_moe_spec(num_experts: int) -> ModuleSpec:

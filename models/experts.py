@@ -31,19 +31,25 @@ permute / sort / unpermute bookkeeping cost a CPU decode step about as much as t
 ``step`` (HybridModel's lean decode step, one token per sequence) also does the router's math
 itself, as TopKRouter computes it for this model's configuration, without the router module's
 autograd function and [tokens, experts] routing map; one sequence runs just its top-k experts.
-The experts of a step are computed from the weights alone by the op ``megacispo::decode_experts``,
-``decode_experts`` in torch's ops (a backend may register a kernel of its own for it: the CPU layer
-does, parallel/cpu/); under torch.compile (``decode_step(compiled=True)``) it is opaque to the
-graph, since which experts run depends on the router's values.
+The experts of a step are computed by the op ``megacispo::decode_experts`` from the experts'
+stacked weights (``stacked_weights``: HybridModel.generation_dtype stacks them once per rollout) as
+a fixed number of ops with no host sync, whatever the routing: grouped products
+(``torch._grouped_mm``) over all slots' routed tokens, or a dense form where no grouped product takes
+the dtype. A backend may register a kernel of its own for the op (the CPU layer does, parallel/cpu/);
+under torch.compile (``decode_step(compiled=True)``) it is one node of the graph.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megacispo.models.layers import StacksWeights, stack_weights_as_views
 
 
 def supports_fused_forward(config: TransformerConfig) -> bool:
@@ -106,57 +112,97 @@ def decode_experts(
     tokens: torch.Tensor,
     probs: torch.Tensor,
     top_experts: torch.Tensor,
-    fc1_weights: list[torch.Tensor],
-    fc2_weights: list[torch.Tensor],
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
 ) -> torch.Tensor:
     """The routed experts of a decode step: tokens [b, H], each with its k experts top_experts [b, k]
-    and routing weights probs [b, k] -> [b, H], the weighted expert outputs summed per token as
-    MoELayer does (expert-major rows in token order, then index_add_). One token runs just its k
-    experts and adds them in ascending expert order: the same float sums. The CPU layer's
-    ``decode_experts_cpu`` computes the same in one C++ call."""
-    if tokens.shape[0] == 1:
-        experts = top_experts[0].tolist()
-        output = None
-        for slot in sorted(range(len(experts)), key=experts.__getitem__):
-            expert = experts[slot]
-            expert_output = expert_mlp(tokens, probs[0, slot : slot + 1], fc1_weights[expert], fc2_weights[expert])
-            expert_output = expert_output.to(tokens.dtype)
-            output = expert_output if output is None else output + expert_output
-        return output
+    and routing weights probs [b, k], the local experts' stacked weights fc1_weight [E, 2F, H]
+    (``[W_gate; W_up]`` each) and fc2_weight [E, H, F] -> [b, H], the weighted expert outputs summed
+    per token in ascending expert order, as MoELayer sums them.
+
+    A fixed number of ops whatever the routing, with no shape that depends on it and no host sync
+    (a CUDA graph can hold it): the b * k (token, expert) rows are sorted by expert and run as two
+    grouped products (``grouped_expert_products``), or, where no grouped product takes the dtype
+    (fp64, fp32 on a GPU), every expert runs on every token and the unchosen outputs are weighted 0
+    (``dense_expert_products``). The CPU layer's ``decode_experts_cpu`` serves fp32 on the CPU."""
+    if grouped_products_take(tokens, fc1_weight, fc2_weight):
+        return grouped_expert_products(tokens, probs, top_experts, fc1_weight, fc2_weight)
+    return dense_expert_products(tokens, probs, top_experts, fc1_weight, fc2_weight)
+
+
+def grouped_products_take(tokens: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` multiplies these: bf16 on a GPU (its grouped GEMM kernels), bf16 /
+    fp16 / fp32 on the CPU, rows of a multiple of 16 bytes (its alignment rule)."""
+    dtypes = (torch.bfloat16,) if tokens.is_cuda else (torch.float32, torch.bfloat16, torch.float16)
+    aligned = all(size * tokens.element_size() % 16 == 0 for size in (*fc1_weight.shape[1:], fc2_weight.shape[2]))
+    return tokens.dtype in dtypes and fc1_weight.dtype == tokens.dtype and aligned
+
+
+def grouped_expert_products(
+    tokens: torch.Tensor, probs: torch.Tensor, top_experts: torch.Tensor, fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+) -> torch.Tensor:
+    """decode_experts through grouped products: Megatron's permutation (expert-major rows, token order
+    within an expert: a stable sort of the token-major (token, slot) pairs by expert), each expert's
+    rows multiplied by its weights in one ``torch._grouped_mm`` per projection, then index_add_."""
     topk = top_experts.shape[1]
-    # Megatron's permutation: expert-major, token order within an expert (a stable sort of the
-    # token-major (token, slot) pairs by expert).
-    order = torch.argsort(top_experts.flatten(), stable=True)  # [b * k]
-    counts = torch.bincount(top_experts.flatten(), minlength=len(fc1_weights)).tolist()
-    token_ids = order // topk
-    expert_outputs = run_experts(
-        tokens.index_select(0, token_ids), counts, probs.flatten()[order], fc1_weights, fc2_weights, run_idle=False
-    )
+    sorted_experts, order = torch.sort(top_experts.flatten(), stable=True)  # [b * k]
+    # Where each expert's rows end (int32, as grouped_mm takes them), found on the device.
+    ends = torch.searchsorted(sorted_experts, _expert_ids(fc1_weight.shape[0], tokens.device), right=True,
+                              out_int32=True)
+    token_ids = order.div(topk, rounding_mode="floor")
+    rows = tokens.index_select(0, token_ids)  # [b * k, H]
+    gate, up = torch._grouped_mm(rows, fc1_weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    intermediate = F.silu(gate) * up
+    intermediate = (intermediate * probs.flatten()[order].unsqueeze(-1)).to(intermediate.dtype)
+    expert_outputs = torch._grouped_mm(intermediate, fc2_weight.transpose(1, 2), offs=ends)  # [b * k, H]
     return _sum_per_token(tokens, token_ids, expert_outputs)
 
 
-# The op decode steps call: opaque to torch.compile (which experts run depends on the router's
-# values, which a graph cannot branch on), and a place for a backend's own kernel.
+def dense_expert_products(
+    tokens: torch.Tensor, probs: torch.Tensor, top_experts: torch.Tensor, fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+) -> torch.Tensor:
+    """decode_experts with every expert on every token ([E, b, ...] batched products), each token's
+    unchosen experts weighted 0: E / k times the products of the grouped form, but in a decode step
+    the weights' reads dominate and most experts are chosen by some token anyway. The sum over
+    experts adds the chosen outputs in ascending expert order (a zero adds nothing)."""
+    weights = torch.zeros(tokens.shape[0], fc1_weight.shape[0], dtype=probs.dtype, device=tokens.device)
+    weights = weights.scatter(1, top_experts, probs).T.unsqueeze(-1)  # [E, b, 1]
+    gate, up = torch.matmul(tokens, fc1_weight.transpose(1, 2)).chunk(2, dim=-1)  # [E, b, F] each
+    intermediate = F.silu(gate) * up
+    intermediate = (intermediate * weights).to(intermediate.dtype)
+    return torch.bmm(intermediate, fc2_weight.transpose(1, 2)).to(tokens.dtype).sum(dim=0)
+
+
+@functools.cache
+def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
+    # Made once: an arange per MoE layer and step would be a kernel launch each.
+    with torch.inference_mode(False):
+        return torch.arange(num_experts, device=device)
+
+
+# The op decode steps call: one node of a compiled graph, and a place for a backend's own kernel.
 _LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
 _LIBRARY.define(
-    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor[] fc1_weights, "
-    "Tensor[] fc2_weights) -> Tensor"
+    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor fc1_weight, Tensor fc2_weight) -> Tensor"
 )
 _LIBRARY.impl("decode_experts", decode_experts, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("megacispo::decode_experts")
-def _(tokens, probs, top_experts, fc1_weights, fc2_weights) -> torch.Tensor:
+def _(tokens, probs, top_experts, fc1_weight, fc2_weight) -> torch.Tensor:
     return torch.empty_like(tokens)
 
 
-class SkipEmptySequentialMLP(SequentialMLP):
+class SkipEmptySequentialMLP(SequentialMLP, StacksWeights):
     """SequentialMLP (same parameters and checkpoint keys) whose forward calls no Megatron linear
     and, without autograd, skips the experts that got no tokens."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._expert_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
@@ -184,10 +230,32 @@ class SkipEmptySequentialMLP(SequentialMLP):
             self._expert_weights = self._look_up_expert_weights()
         return self._expert_weights
 
-    def forget_expert_weights(self) -> None:
-        """Look the weights up again at the next call: HybridModel.generation_dtype puts other tensors in
-        the experts' places for a rollout, and back."""
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fc1 [E, 2F, H], fc2 [E, H, F]): the local experts' weights stacked, as decode_experts takes
+        them. Within a rollout (``stacking_weights``) the experts' weights are views of these stacks;
+        outside it they are stacked on each call (a copy: the training weights change every step)."""
+        if self._stacked is not None:
+            return self._stacked
+        fc1_weights, fc2_weights = self._look_up_expert_weights()
+        return torch.stack(fc1_weights), torch.stack(fc2_weights)
+
+    def stacked_parameters(self) -> list[torch.nn.Parameter]:
+        fc1_weights, fc2_weights = self._look_up_expert_weights()
+        return [*fc1_weights, *fc2_weights]
+
+    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        """One stack per projection, [E, 2F, H] and [E, H, F], the experts' weights views of it."""
+        fc1, replaced_fc1 = stack_weights_as_views([e.linear_fc1 for e in self.local_experts], dtype_of, new_dim=True)
+        fc2, replaced_fc2 = stack_weights_as_views([e.linear_fc2 for e in self.local_experts], dtype_of, new_dim=True)
         self._expert_weights = None
+        self._stacked = (fc1, fc2)
+        return replaced_fc1 + replaced_fc2
+
+    def forget_stacks(self) -> None:
+        """Look the weights up again at the next call, and drop the rollout's stacks:
+        HybridModel.generation_dtype puts other tensors in the experts' places for a rollout, and back."""
+        self._expert_weights = None
+        self._stacked = None
 
     def _look_up_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         experts = self.local_experts
@@ -258,8 +326,7 @@ class InProcessMoELayer(MoELayer):
         routes = self.router.router_replay  # models/routing.py's hook, attached by HybridModel
         if routes is not None:
             routes.record_step(top_experts)
-        fc1_weights, fc2_weights = self.experts.expert_weights()
-        return torch.ops.megacispo.decode_experts(hidden, probs, top_experts, fc1_weights, fc2_weights)
+        return torch.ops.megacispo.decode_experts(hidden, probs, top_experts, *self.experts.stacked_weights())
 
     def _routes_in_process(self, intermediate_tensors) -> bool:
         return self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None

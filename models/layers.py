@@ -9,8 +9,10 @@ hidden states between layers hold s / TP tokens of every sequence.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -77,9 +79,14 @@ class RMSNorm(torch.nn.Module):
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm's math over the whole last dimension of hidden [..., C]."""
-    wide = at_least_fp32(hidden)
-    return _rms_normalize(hidden, wide, _sum_of_squares(wide), hidden.shape[-1], eps, weight)
+    """RMSNorm's math over the whole last dimension of hidden [..., C], as ``_rms_normalize`` computes
+    it, through torch's rms_norm (one fused kernel on CUDA, the same ops as _rms_normalize's on a CPU):
+    the weight inside it when hidden is fp32 / fp64 of the weight's dtype (weight * normed is
+    normed * weight), else applied after the cast back, in hidden's dtype (HF's order)."""
+    shape = (hidden.shape[-1],)
+    if hidden.dtype in _FP32_OR_WIDER and weight.dtype == hidden.dtype:
+        return F.rms_norm(hidden, shape, weight, eps)
+    return weight * F.rms_norm(at_least_fp32(hidden), shape, eps=eps).to(hidden.dtype)
 
 
 def rms_norm_step(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -171,6 +178,48 @@ class TensorParallelRMSNorm(torch.nn.Module):
         )
 
 
+def stack_weights_as_views(
+    linears: list[torch.nn.Module], dtype_of, *, new_dim: bool
+) -> tuple[torch.Tensor, list[tuple[torch.nn.Module, str, torch.nn.Parameter]]]:
+    """Copy the ``weight`` of each of ``linears`` into one tensor, in ``dtype_of(weight)``: stacked along
+    a new first dimension (``new_dim``, equal shapes) or concatenated along the output dimension, and
+    put a view of it in each linear's place, so that a decode step multiplies by the whole tensor in
+    one kernel while the modules keep their parameters' names and shapes. Returns (the tensor,
+    [(linear, "weight", the parameter replaced)] to put back)."""
+    weights = [linear.weight for linear in linears]
+    rows = [weight.shape[0] for weight in weights]
+    shape = (len(weights), *weights[0].shape) if new_dim else (sum(rows), *weights[0].shape[1:])
+    stack = weights[0].new_empty(shape, dtype=dtype_of(weights[0]))
+    views = stack.unbind(0) if new_dim else stack.split(rows)
+    replaced = []
+    for linear, weight, view in zip(linears, weights, views):
+        view.copy_(weight.detach())
+        copy = torch.nn.Parameter(view, requires_grad=False)
+        copy.__dict__.update(weight.__dict__)  # Megatron's attributes (tensor_model_parallel, allreduce, ...)
+        replaced.append((linear, "weight", weight))
+        linear._parameters["weight"] = copy
+    return stack, replaced
+
+
+class StacksWeights:
+    """A module whose decode step multiplies by one tensor holding several of its linears' weights
+    (the experts of a MoE layer, a softmax layer's q / k / v): HybridModel.generation_dtype makes the
+    tensor for a rollout (``stacking_weights``) and drops it after (``forget_stacks``)."""
+
+    def stacked_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters ``stacking_weights`` copies (generation_dtype copies them no other way)."""
+        raise NotImplementedError
+
+    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        """Make the stacks in ``dtype_of(weight)`` with the parameters' places taken by views of them;
+        returns what ``stack_weights_as_views`` returns, to put back."""
+        raise NotImplementedError
+
+    def forget_stacks(self) -> None:
+        """Drop the stacks (the parameters are put back): later steps stack on each call."""
+        raise NotImplementedError
+
+
 def local_column_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
     """A ColumnParallelLinear whose input is already in the tensor-parallel region.
 
@@ -226,6 +275,77 @@ class RotaryEmbedding(torch.nn.Module):
         angles = position_ids[..., None].float() * inv_freq  # [b, s, rotary_dim / 2]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
+
+
+    def decode_tables(self, position_ids: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, 1] -> (cos, signed_sin), each [b, 1, 1, head_dim] fp32, for
+        ``AttentionStep.rotate``: on the rotary channels cos, and sin negated on their first half
+        (where rotate-half takes the negated partner); on the other channels 1 and 0."""
+        cos, sin = self.forward(position_ids)  # [b, 1, rotary_dim]
+        half = self.rotary_dim // 2
+        sign = torch.ones(self.rotary_dim, dtype=sin.dtype, device=sin.device)
+        sign[:half] = -1.0
+        passed = head_dim - self.rotary_dim
+        cos = F.pad(cos, (0, passed), value=1.0)
+        signed_sin = F.pad(sin * sign, (0, passed))
+        return cos[:, :, None], signed_sin[:, :, None]
+
+
+def _rotate_half_partners(rotary_dim: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """[head_dim] int64: the channel whose value rotate-half puts in each channel (the channels past
+    rotary_dim keep their own; their sin is 0). Made once eagerly (kernels a step would launch);
+    a compiled step makes them as constants of its graph."""
+    if torch.compiler.is_compiling():
+        return _partners(rotary_dim, head_dim, device)
+    with torch.inference_mode(False):
+        return _cached_partners(rotary_dim, head_dim, device)
+
+
+def _partners(rotary_dim: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    half = rotary_dim // 2
+    partners = torch.arange(head_dim, device=device)
+    partners[:half] += half
+    partners[half:rotary_dim] -= half
+    return partners
+
+
+_cached_partners = functools.cache(_partners)
+
+
+@dataclass
+class AttentionStep:
+    """What the softmax layers of one decode step share, made once per step (HybridModel's lean step):
+    RoPE at each row's position as a product, a gather and a multiply-add, and the cache's key
+    padding as an additive bias, so that each layer runs neither the rotation's slicing and
+    concatenations nor the boolean mask's conversion."""
+
+    cos: torch.Tensor
+    """[b, 1, 1, head_dim] fp32 (``RotaryEmbedding.decode_tables``)."""
+    signed_sin: torch.Tensor
+    """[b, 1, 1, head_dim] fp32."""
+    partners: torch.Tensor
+    """[head_dim] int64, ``_rotate_half_partners``."""
+    key_bias: torch.Tensor | None
+    """[b, 1, 1, T] in the model's dtype: 0 at valid keys, -inf at pads; None when no key is a pad."""
+
+    @classmethod
+    def build(cls, rotary: RotaryEmbedding, position_ids: torch.Tensor, head_dim: int, cache: InferenceCache,
+              dtype: torch.dtype) -> AttentionStep:
+        """For rows at position_ids [b, 1] decoding against ``cache`` (valid_mask already covering the
+        step's token), in ``dtype``."""
+        cos, signed_sin = rotary.decode_tables(position_ids, head_dim)
+        partners = _rotate_half_partners(rotary.rotary_dim, head_dim, position_ids.device)
+        key_bias = None
+        if cache.has_padding:
+            valid = cache.valid_mask[:, None, None, :]
+            key_bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+        return cls(cos, signed_sin, partners, key_bias)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``apply_rotary`` of x [b, heads, 1, head_dim] at this step's positions: x cos + rotate_half(x)
+        sin on the rotary channels, computed in (at least) fp32, returned in x's dtype."""
+        wide = at_least_fp32(x)
+        return torch.addcmul(wide * self.cos, wide.index_select(-1, self.partners), self.signed_sin).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

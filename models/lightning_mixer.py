@@ -31,6 +31,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megacispo.models.layers import (
+    AttentionStep,
     InferenceCache,
     TensorParallelRMSNorm,
     at_least_fp32,
@@ -134,17 +135,11 @@ class LightningMixer(MegatronModule):
         out, _ = self.out_proj(torch.sigmoid(gate) * self.norm(out))
         return out
 
-    def step(
-        self,
-        hidden: torch.Tensor,
-        cache: InferenceCache,
-        rotary_pos_cos: torch.Tensor | None = None,
-        rotary_pos_sin: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
         """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
         what forward computes for a one-token decode step, in the same op order and dtypes, with
         plain matmuls on the projections' weights instead of Megatron's linears. The layer's state
-        in ``cache`` advances; rotary_pos_cos / _sin are unused (the mixers share one signature)."""
+        in ``cache`` advances in place; ``attention`` is unused (the mixers share one signature)."""
         batch = hidden.shape[0]
         qkv = F.silu(F.linear(hidden, self.qkv_proj.weight)).reshape(batch, self.num_local_heads, 3 * self.head_dim)
         q, k, v = at_least_fp32(qkv).split(self.head_dim, dim=-1)  # each [b, heads, d]

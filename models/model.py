@@ -57,8 +57,7 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
-from megacispo.models.experts import SkipEmptySequentialMLP
-from megacispo.models.layers import InferenceCache, RotaryEmbedding, at_least_fp32
+from megacispo.models.layers import AttentionStep, InferenceCache, RotaryEmbedding, StacksWeights, at_least_fp32
 from megacispo.models.routing import LayerRoutes, RoutingTargets, local_targets
 from megacispo.parallel.context import positions_in_documents, zigzag_positions
 from megacispo.parallel.layout import broadcast_from_last_stage
@@ -306,45 +305,72 @@ class HybridModel(LanguageModule):
     @contextlib.contextmanager
     def generation_dtype(self, dtype: torch.dtype) -> Iterator[None]:
         """Run the model in ``dtype`` within the block (rollout.dtype): every parameter is replaced by a
-        copy in ``dtype``, except the LM head's with fp32_lm_head (the head computes in fp32 from its
-        own weight, as in training); the parameters are put back on exit, untouched. float32 means at
-        least fp32: an fp64 model (the tests' exact references) stays fp64.
+        copy in ``dtype``, except the LM head's with fp32_lm_head, whose copy is fp32 (the head
+        computes in fp32, as in training, without casting a bf16 weight at every step); the
+        parameters are put back on exit, untouched. float32 means at least fp32: an fp64 model (the
+        tests' exact references) stays fp64. The weights a decode step multiplies together (each MoE
+        layer's experts, a softmax layer's q / k / v: ``layers.StacksWeights``) are copied into one
+        tensor each, with views of it in the parameters' places: a copy even when ``dtype`` is theirs.
 
         A copy of the weights rather than autocast: the whole forward (residual stream, norms, KV
         cache, expert and router inputs) then runs in that precision as an inference engine does, not
         only autocast's matmuls, and the cast happens once per rollout (after the optimizer step that
         changed the weights). It costs the copy while generating: 2 bytes a parameter of this stage
-        for bfloat16 beside fp32 weights, nothing when ``dtype`` is the weights' own. The copies take
+        for bfloat16 beside fp32 weights, nothing but the stacks when ``dtype`` is the weights' own. The copies take
         the parameters' places in their modules; the Parameter objects themselves are not touched
         (changing a parameter's dtype in place would drop the gradient hooks Megatron's DDP put on it).
+
+        FP8 (and FP4) is off within it: with precision.fp8 set, rollouts run Transformer Engine's
+        GEMMs in ``dtype`` on these weights (M1's choice), so no rollout depends on TE's divisibility
+        rule for the token count (a decode step has as many tokens as running slots) or uses TE's FP8
+        weight cache, which only Megatron's schedule refreshes after an optimizer step.
         """
-        keep = {id(self.output_layer.weight)} if self.post_process and self.hybrid_config.fp32_lm_head else set()
+        fp32_head = self.post_process and self.hybrid_config.fp32_lm_head
+        head = self.output_layer.weight if self.post_process else None
 
         def target(param: torch.Tensor) -> torch.dtype:
+            if param is head and fp32_head:
+                return torch.promote_types(param.dtype, torch.float32)
             return torch.promote_types(param.dtype, dtype) if dtype == torch.float32 else dtype
 
+        stacking = [module for module in self.modules() if isinstance(module, StacksWeights)]
+        stacked = {id(param) for module in stacking for param in module.stacked_parameters()}
         swapped = [
             (module, name, param)
             for module in self.modules()
             for name, param in module._parameters.items()
-            if param is not None and id(param) not in keep and target(param) != param.dtype
+            if param is not None and id(param) not in stacked and target(param) != param.dtype
         ]
-        self._forget_expert_weights()
+        self._forget_stacks()
         for module, name, param in swapped:
             copy = torch.nn.Parameter(param.detach().to(target(param)), requires_grad=False)
             copy.__dict__.update(param.__dict__)  # Megatron's attributes (tensor_model_parallel, ...)
             module._parameters[name] = copy
+        for module in stacking:
+            swapped += module.stacking_weights(target)
+        quantized = [(config, config.fp8, config.fp4) for config in self._transformer_configs()]
+        for config, _, _ in quantized:
+            config.fp8 = config.fp4 = None
         try:
             yield
         finally:
+            for config, fp8, fp4 in quantized:
+                config.fp8, config.fp4 = fp8, fp4
             for module, name, param in swapped:
                 module._parameters[name] = param
-            self._forget_expert_weights()
+            self._forget_stacks()
 
-    def _forget_expert_weights(self) -> None:
+    def _transformer_configs(self) -> list[TransformerConfig]:
+        """The distinct TransformerConfig objects of the model's modules (Megatron reads flags from them)."""
+        configs = {
+            id(m.config): m.config for m in self.modules() if isinstance(getattr(m, "config", None), TransformerConfig)
+        }
+        return list(configs.values())
+
+    def _forget_stacks(self) -> None:
         for module in self.modules():
-            if isinstance(module, SkipEmptySequentialMLP):
-                module.forget_expert_weights()
+            if isinstance(module, StacksWeights):
+                module.forget_stacks()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -487,11 +513,11 @@ class HybridModel(LanguageModule):
             hidden = F.embedding(token_ids, self.embedding.word_embeddings.weight)  # [b, H]
         else:
             hidden = received[0]
-        cos = sin = None
+        attention = None
         if self._has_softmax_layers:
-            cos, sin = self.rotary(position_ids)  # [b, 1, rotary_dim]
+            attention = AttentionStep.build(self.rotary, position_ids, self.hybrid_config.head_dim, cache, hidden.dtype)
         for layer in self.decoder.layers:
-            hidden = layer.step(hidden, cache, cos, sin)
+            hidden = layer.step(hidden, cache, attention)
         if not self.post_process:
             return hidden[None], None
         hidden = self.decoder.final_layernorm.step(hidden)
@@ -539,12 +565,9 @@ class HybridModel(LanguageModule):
         if not self.config.sequence_parallel:
             yield
             return
-        configs = {
-            id(m.config): m.config for m in self.modules() if isinstance(getattr(m, "config", None), TransformerConfig)
-        }
         switches = [
             (owner, name)
-            for owner in (*self.modules(), *configs.values())
+            for owner in (*self.modules(), *self._transformer_configs())
             for name in ("sequence_parallel", "reduce_scatter_embeddings")
             if getattr(owner, name, None) is True
         ]

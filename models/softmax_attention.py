@@ -28,11 +28,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megacispo.models.layers import (
+    AttentionStep,
     InferenceCache,
+    StacksWeights,
     apply_rotary,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
     row_parallel_linear,
+    stack_weights_as_views,
 )
 from megacispo.models.softmax_cp import attention_cp, document_causal_mask, masked_attention
 from megacispo.parallel.context import packed_document_ids
@@ -48,7 +51,7 @@ class SoftmaxAttentionSubmodules:
     o_proj: Callable = row_parallel_linear
 
 
-class SoftmaxAttention(MegatronModule):
+class SoftmaxAttention(MegatronModule, StacksWeights):
     """Causal GQA softmax attention of one decoder layer: [s(/TP), b, H] -> [s(/TP), b, H]."""
 
     def __init__(
@@ -73,6 +76,7 @@ class SoftmaxAttention(MegatronModule):
         self.k_proj = submodules.k_proj(config, config.hidden_size, kv_width, self.tp_group)
         self.v_proj = submodules.v_proj(config, config.hidden_size, kv_width, self.tp_group)
         self.o_proj = submodules.o_proj(config, width, config.hidden_size, self.tp_group)
+        self._qkv_weight: torch.Tensor | None = None
 
     def forward(
         self,
@@ -112,28 +116,40 @@ class SoftmaxAttention(MegatronModule):
         out, _ = self.o_proj(out)
         return out
 
-    def step(
-        self,
-        hidden: torch.Tensor,
-        cache: InferenceCache,
-        rotary_pos_cos: torch.Tensor | None = None,
-        rotary_pos_sin: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
         """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
-        what forward computes for a one-token decode step, with plain matmuls on the projections'
-        weights instead of Megatron's linears. rotary_pos_cos / _sin [b, 1, rotary_dim] at the
-        token's position; its key and value are appended to ``cache`` (whose valid_mask covers it)."""
-        batch = hidden.shape[0]
-        q = F.linear(hidden, self.q_proj.weight).reshape(batch, self.num_local_heads, 1, self.head_dim)
-        k = F.linear(hidden, self.k_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
-        v = F.linear(hidden, self.v_proj.weight).reshape(batch, self.num_local_kv_heads, 1, self.head_dim)
-        q, k = apply_rotary(q, rotary_pos_cos, rotary_pos_sin), apply_rotary(k, rotary_pos_cos, rotary_pos_sin)
+        what forward computes for a one-token decode step, with one matmul on the q / k / v weights
+        (``qkv_weight``) instead of Megatron's three linears; ``attention``: the step's rotation (of q
+        and k together: they sit side by side in the product) and key bias. The token's key and value
+        are appended to ``cache`` (whose valid_mask covers it)."""
+        batch, heads, kv_heads, dim = hidden.shape[0], self.num_local_heads, self.num_local_kv_heads, self.head_dim
+        qkv = F.linear(hidden, self.qkv_weight())  # [b, (heads + 2 kv heads) d]
+        qk = attention.rotate(qkv[:, : (heads + kv_heads) * dim].view(batch, heads + kv_heads, 1, dim))
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, 1, dim)
         k, v = cache.extend_kv(self.layer_idx, k, v)  # [b, kv heads, T, d]
-        # The newest position sees every earlier one: only pad keys need a mask (the same booleans as
-        # _padded_causal_mask's last row, since the token itself is valid).
-        mask = cache.valid_mask[:, None, None, :] if cache.has_padding else None
-        out = self._attend(q, k, v, mask, causal=False)  # [b, heads, 1, d]
+        # The newest position sees every earlier one: only pad keys are masked (the same keys as
+        # _padded_causal_mask's last row masks, since the token itself is valid).
+        out = self._attend(q, k, v, attention.key_bias, causal=False)  # [b, heads, 1, d]
         return F.linear(out.reshape(batch, -1), self.o_proj.weight)
+
+    def qkv_weight(self) -> torch.Tensor:
+        """[(heads + 2 kv heads) d, H]: the q, k and v weights one after the other; within a rollout
+        the stack ``stacking_weights`` made, else concatenated now (a copy)."""
+        if self._qkv_weight is not None:
+            return self._qkv_weight
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+
+    def stacked_parameters(self) -> list[torch.nn.Parameter]:
+        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+
+    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        self._qkv_weight, replaced = stack_weights_as_views([self.q_proj, self.k_proj, self.v_proj], dtype_of,
+                                                            new_dim=False)
+        return replaced
+
+    def forget_stacks(self) -> None:
+        self._qkv_weight = None
 
     def _attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_seq_params: PackedSeqParams):
         """This CP rank's zigzag tokens q [1, heads, s, d], k and v [1, kv heads, s, d] of a packed row
@@ -148,8 +164,8 @@ class SoftmaxAttention(MegatronModule):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, causal: bool = True
     ) -> torch.Tensor:
-        """q [b, heads, s, d], k and v [b, kv heads, T, d]; mask [b, 1, s, T] bool, or None: causal
-        (s = T) with ``causal``, else every query sees every key."""
+        """q [b, heads, s, d], k and v [b, kv heads, T, d]; mask [b, 1, s, T] bool (or an additive bias
+        in q's dtype), or None: causal (s = T) with ``causal``, else every query sees every key."""
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.head_dim**-0.5, enable_gqa=True
         )

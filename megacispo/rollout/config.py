@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from megacispo.fields import AT_LEAST_1, FRACTION, Range, check_choice, check_ranges, ranged
 
-# rollout.dtype's choices: the precisions a rollout can generate in.
-ROLLOUT_DTYPES = ("float32", "bfloat16")
+# rollout.dtype's choices: the precisions a rollout can generate in, or auto (by device).
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(kw_only=True)
@@ -38,16 +40,26 @@ class RolloutConfig:
     """Run each decode step through torch.compile (TP = PP = EP = 1, no Transformer Engine); the first steps compile."""
     max_running: int = ranged(0, Range(0, note="0: all of a rank's samples at once"))
     """Sequences decoded together per rank; a finished one's slot takes the next waiting sample (0: all at once)."""
+    host_check_every: int = ranged(4, AT_LEAST_1)
+    """Decode steps between the host's looks at which samples ended (one device-to-host copy each); an ended slot idles until then."""
     max_cache_gib: float = ranged(0.0, Range(0, note="0: no cap"))
     """Cap on the rollout cache of max_running slots per GPU, GiB, checked at start-up (0: no cap)."""
-    dtype: str = "float32"
-    """Precision of generation, float32 or bfloat16 (training keeps precision.params_dtype; the LM head follows model.fp32_lm_head)."""
+    dtype: str = "auto"
+    """Precision of generation: auto (bfloat16 on GPUs, float32 on a CPU), float32 or bfloat16 (the LM head follows model.fp32_lm_head)."""
     max_staleness: int = ranged(0, Range(0, note="0: synchronous"))
     """Steps a rollout's weights may lag the step it trains (needs placement.rollout_ranks; 0: on-policy, 1: one step behind)."""
 
     def check(self) -> None:
         check_ranges(self, "rollout")
         check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+
+    def torch_dtype(self, on_gpu: bool) -> torch.dtype:
+        """rollout.dtype as a torch dtype for a rollout on a GPU or not. auto is bfloat16 on a GPU, as M1
+        generated (with the fp32 LM head), and float32 on a CPU: a CPU has no fast bf16 products, and the
+        quick start's accuracy was measured with fp32 rollouts."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if on_gpu else torch.float32
+        return getattr(torch, self.dtype)
 
 
 @dataclass(kw_only=True)

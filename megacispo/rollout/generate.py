@@ -17,10 +17,16 @@ stays one dense masked attention over the slots (the same step as the eager, lea
 paths run), and only the softmax layers (1 in 8) keep KV at all; the lightning states are O(1) per
 slot.
 
+A decode step is decided on the device: which rows still decode, what each draws, when a sample
+ends (a stop id, its length limit, early truncation); nothing is read back to the host inside it, so
+that a GPU never waits for the host between steps. The host looks every ``rollout.host_check_every``
+steps (and, outside a lockstep group, at the step a sample reaches its length limit) with one copy
+of the rows' state, and only then frees, refills or drops rows: an ended row idles until then.
+
 Sampling does not depend on the slots: each sample has a 64-bit key (``sample_keys``: from the
 seed, the step and the sample's place in the global batch), and its token t is drawn by inverse-CDF
 from one uniform that a counter-based hash (splitmix64) computes from (key, t) on the device, so the
-same samples come out at any ``max_running`` and in any order slots free up. Under tensor
+same samples come out at any ``max_running`` and ``host_check_every``, in any order slots free up. Under tensor
 parallelism the model gathers the vocabulary shards of the last position's logits, so every rank of
 the TP group sees the full distribution and draws the same token.
 
@@ -267,7 +273,7 @@ def generate(
     # training mode, and the model switches sequence parallelism off for single-token steps.
     model.eval()
     try:
-        with model.generation_dtype(getattr(torch, config.dtype)), model.recording_routes():
+        with model.generation_dtype(config.torch_dtype(keys.is_cuda)), model.recording_routes():
             engine = _SlotRollout(model, prompts, config, stop_ids, pad_id, keys, limits, lockstep_group)
             return engine.run(progress, interrupt)
     finally:
@@ -287,9 +293,14 @@ def _count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
 class _SlotRollout:
     """One rollout over ``slots`` rows of the model's cache.
 
-    The host keeps which sample each row decodes (-1: none) and how many tokens it has drawn, and
-    the first cache position of its sequence (to know which old positions are unused); the device
-    keeps the same per row for the sampler and the outputs of every sample.
+    The device decides each step: which rows still decode (``row_live_t``), what each draws, when a
+    sample ends (its length and early-truncation flag are written on the device), so that a decode
+    step reads nothing back to the host. The host looks every rollout.host_check_every steps, and at
+    the step a row's sample reaches its length limit (the host counts the steps), with one copy of
+    the rows' live flags and token counts: then finished rows are freed, refilled, or dropped. It
+    keeps which sample each row decodes (-1: none), its token count as of the last look, and the
+    first cache position of its sequence (to know which old positions are unused). A finished row
+    idles (decodes a pad, records nothing) until the host looks; the samples do not depend on when.
     """
 
     def __init__(self, model, prompts, config: RolloutConfig, stop_ids, pad_id: int, keys: torch.Tensor,
@@ -307,17 +318,20 @@ class _SlotRollout:
         self.responses = torch.full((self.num_samples + 1, config.max_new_tokens), pad_id, dtype=torch.long,
                                     device=self.device)
         self.response_logprobs = torch.zeros(0, device=self.device)  # the logits' precision, once known
+        self.response_lengths = torch.zeros(self.num_samples + 1, dtype=torch.long, device=self.device)
+        self.truncated = torch.zeros(self.num_samples + 1, dtype=torch.bool, device=self.device)
         hybrid = model.hybrid_config
         # Row num_samples is scratch here too; a sample's tokens sit at positions 0 .. prompt + response.
         self.routes = torch.zeros(
             (self.num_samples + 1, self.prompt_width + config.max_new_tokens, len(model.decoder.layers),
              hybrid.moe_router_topk), dtype=route_dtype(hybrid.num_experts), device=self.device)
-        self.response_lengths = [0] * self.num_samples
-        self.truncated = [False] * self.num_samples
         self.waiting = deque(range(self.num_samples))
         self.row_sample: list[int] = []
         self.row_drawn: list[int] = []
+        self.row_steps: list[int] = []
         self.row_start: list[int] = []
+        self.decode_steps = 0
+        self.host_checks = 0
 
     def run(self, progress: tqdm | None, interrupt: Callable[[], None] | None) -> Samples:
         first = [self.waiting.popleft() for _ in range(self.slots)]
@@ -326,7 +340,7 @@ class _SlotRollout:
         self.response_logprobs = torch.zeros((self.num_samples + 1, self.config.max_new_tokens),
                                              dtype=torch.promote_types(logits.dtype, torch.float32), device=self.device)
         cache.reserve(self.capacity - cache.length)
-        self.row_sample, self.row_drawn = first, [0] * len(first)
+        self.row_sample, self.row_drawn, self.row_steps = first, [0] * len(first), [0] * len(first)
         self.row_start = [cache.length - len(self.prompts[s]) for s in first]
         self._sync_rows()
         self.confident_run = torch.zeros(len(first), dtype=torch.long, device=self.device)
@@ -334,19 +348,24 @@ class _SlotRollout:
         while True:
             if interrupt is not None:
                 interrupt()
-            tokens = self._draw(logits, progress)
-            refills = self._assign_waiting()
-            any_refill, any_running = self._agree(bool(refills), any(s >= 0 for s in self.row_sample))
-            if not any_running:
-                break
-            if not self.waiting and not refills:
-                cache, tokens = self._shrink(cache, tokens)
-            if self.rows_changed:
-                self._sync_rows()
+            tokens = self._draw(logits)
+            if self._host_looks():
+                self._free_finished(progress)
+                refills = self._assign_waiting()
+                any_refill, any_running = self._agree(bool(refills), any(s >= 0 for s in self.row_sample))
+                if not any_running:
+                    break
+                if not self.waiting and not refills:
+                    cache, tokens = self._shrink(cache, tokens)
+                if self.rows_changed:
+                    self._sync_rows()
+            else:
+                refills, any_refill = [], False
             if cache.length + 2 > self.capacity:
                 self._drop_unused(cache)
-            step_tokens = torch.where(self.row_sample_t < self.num_samples, tokens, self.pad_id)
+            step_tokens = torch.where(self.row_live_t, tokens, self.pad_id)
             logits, cache = self.model.decode_step(step_tokens, cache, compiled=self.config.compile_decode)
+            self.decode_steps += 1
             self._record_step_routes()
             if any_refill:
                 self._refill(refills, logits, cache)
@@ -367,8 +386,8 @@ class _SlotRollout:
 
     def _record_step_routes(self) -> None:
         """The experts of the token each row just fed (the one it drew last, at position prompt + drawn
-        - 1 of its sample); rows without a sample, or refilled and not yet drawing, write the scratch row."""
-        fed = (self.row_sample_t < self.num_samples) & (self.row_drawn_t > 0)
+        - 1 of its sample); rows not decoding, or refilled and not yet drawing, write the scratch row."""
+        fed = self.row_live_t & (self.row_drawn_t > 0)
         rows = torch.where(fed, self.row_sample_t, self.num_samples)
         positions = (self.row_prompt_t + self.row_drawn_t - 1).clamp(0, self.routes.shape[1] - 1)
         self.routes[rows, positions] = self.model.last_routes(len(self.row_sample), 1)[:, 0].to(self.routes.dtype)
@@ -377,6 +396,7 @@ class _SlotRollout:
         """The per-row device tensors from the host's bookkeeping (after rows finished or were refilled)."""
         sample = [s if s >= 0 else self.num_samples for s in self.row_sample]
         self.row_sample_t = torch.tensor(sample, dtype=torch.long, device=self.device)
+        self.row_live_t = torch.tensor([s >= 0 for s in self.row_sample], dtype=torch.bool, device=self.device)
         self.row_drawn_t = torch.tensor(self.row_drawn, dtype=torch.long, device=self.device)
         self.row_limit_t = torch.tensor([self.limits[s] if s >= 0 else 1 for s in self.row_sample],
                                         dtype=torch.long, device=self.device)
@@ -386,33 +406,51 @@ class _SlotRollout:
         self.row_keys_t = padded_keys[self.row_sample_t]
         self.rows_changed = False
 
-    def _draw(self, logits: torch.Tensor, progress: tqdm) -> torch.Tensor:
-        """Each row's next token from ``logits`` [rows, V], recorded for its sample; frees the rows whose
-        sample ended (a stop id, its length limit, early truncation). Returns the tokens [rows]."""
+    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token from ``logits`` [rows, V], recorded for its sample while the row is live;
+        a row whose sample ends (a stop id, its length limit, early truncation) writes the sample's
+        length and truncation flag and stops being live. On the device only. Returns the tokens [rows]."""
         config = self.config
         tokens, logprobs, probs = sample_tokens(logits, config, self.row_keys_t, self.row_drawn_t)
+        live = self.row_live_t
+        target = torch.where(live, self.row_sample_t, self.num_samples)
         column = self.row_drawn_t.clamp(max=config.max_new_tokens - 1)
-        self.responses[self.row_sample_t, column] = tokens
-        self.response_logprobs[self.row_sample_t, column] = logprobs.to(self.response_logprobs.dtype)
+        self.responses[target, column] = tokens
+        self.response_logprobs[target, column] = logprobs.to(self.response_logprobs.dtype)
         stop = torch.isin(tokens, self.stop_ids) | (self.row_drawn_t + 1 >= self.row_limit_t)
         truncate = torch.zeros_like(stop)
         if config.early_truncation_tokens > 0:
             confident = probs > config.early_truncation_prob
             self.confident_run = torch.where(confident, self.confident_run + 1, torch.zeros_like(self.confident_run))
             truncate = ~stop & (self.confident_run >= config.early_truncation_tokens)
-        self.row_drawn_t = self.row_drawn_t + 1
-        stops, truncates = torch.stack([stop | truncate, truncate]).tolist()  # one copy to the host per step
+        self.row_drawn_t = self.row_drawn_t + live.long()
+        ends = live & (stop | truncate)
+        ended = torch.where(ends, self.row_sample_t, self.num_samples)
+        self.response_lengths[ended] = self.row_drawn_t
+        self.truncated[ended] = truncate
+        self.row_live_t = live & ~ends
+        self.row_steps = [steps + 1 if sample >= 0 else steps for steps, sample in zip(self.row_steps, self.row_sample)]
+        return tokens
+
+    def _host_looks(self) -> bool:
+        """Whether the host reads the rows' state after this step's draw: every rollout.host_check_every
+        decode steps, and, outside a lockstep group, as soon as a row has run as many steps as its
+        sample's length limit (it has ended, then or before). The ranks of a lockstep group look at
+        the same steps only, since they agree (a collective) when they look."""
+        every = self.config.host_check_every
+        at_limit = any(s >= 0 and steps >= self.limits[s] for s, steps in zip(self.row_sample, self.row_steps))
+        return self.group is None and at_limit or (self.decode_steps + 1) % every == 0
+
+    def _free_finished(self, progress: tqdm) -> None:
+        """One copy of the rows' live flags and token counts to the host; frees the rows whose sample ended."""
+        self.host_checks += 1
+        live, drawn = torch.stack([self.row_live_t.long(), self.row_drawn_t]).tolist()
+        self.row_drawn = drawn
         for row, sample in enumerate(self.row_sample):
-            if sample < 0:
-                continue
-            self.row_drawn[row] += 1
-            if stops[row]:
-                self.response_lengths[sample] = self.row_drawn[row]
-                self.truncated[sample] = truncates[row]
+            if sample >= 0 and not live[row]:
                 self.row_sample[row] = -1
                 self.rows_changed = True
                 progress.update(1)
-        return tokens
 
     def _assign_waiting(self) -> list[tuple[int, int]]:
         """Give free rows the next waiting samples: [(row, sample)], refilled after the next decode step."""
@@ -421,7 +459,7 @@ class _SlotRollout:
             if sample < 0 and self.waiting:
                 refills.append((row, self.waiting.popleft()))
         for row, sample in refills:
-            self.row_sample[row], self.row_drawn[row] = sample, 0
+            self.row_sample[row], self.row_drawn[row], self.row_steps[row] = sample, 0, 0
             self.rows_changed = True
         return refills
 
@@ -461,6 +499,7 @@ class _SlotRollout:
         index = torch.tensor(live, dtype=torch.long, device=self.device)
         self.row_sample = [self.row_sample[row] for row in live]
         self.row_drawn = [self.row_drawn[row] for row in live]
+        self.row_steps = [self.row_steps[row] for row in live]
         self.row_start = [self.row_start[row] for row in live]
         self.confident_run = self.confident_run[index]
         self.rows_changed = True
@@ -475,10 +514,10 @@ class _SlotRollout:
         self.row_start = [max(0, start - drop) for start in self.row_start]
 
     def _samples(self) -> Samples:
-        lengths = torch.tensor(self.response_lengths, dtype=torch.long, device=self.device)
-        truncated = torch.tensor(self.truncated, dtype=torch.bool, device=self.device)
+        lengths = self.response_lengths[: self.num_samples]
         return _assemble(self.prompts, self.responses[: self.num_samples], self.response_logprobs[: self.num_samples],
-                         self.response_lengths, lengths, truncated, self.pad_id, self.routes[: self.num_samples])
+                         lengths.tolist(), lengths, self.truncated[: self.num_samples], self.pad_id,
+                         self.routes[: self.num_samples])
 
 
 def _assemble(prompts, responses, response_logprobs, lengths: list[int], response_lengths, truncated,

@@ -143,8 +143,9 @@ def test_other_dtypes_and_switching_off_give_torchs_own_bits():
 
 
 def _experts(num_experts: int, hidden: int, ffn: int, generator: torch.Generator):
-    fc1 = [torch.randn(2 * ffn, hidden, generator=generator) / hidden**0.5 for _ in range(num_experts)]
-    fc2 = [torch.randn(hidden, ffn, generator=generator) / ffn**0.5 for _ in range(num_experts)]
+    """The stacked expert weights decode_experts takes: fc1 [E, 2F, H], fc2 [E, H, F]."""
+    fc1 = torch.randn(num_experts, 2 * ffn, hidden, generator=generator) / hidden**0.5
+    fc2 = torch.randn(num_experts, hidden, ffn, generator=generator) / ffn**0.5
     return fc1, fc2
 
 
@@ -159,9 +160,7 @@ def test_decode_experts_kernel_equals_the_fp64_experts(cpu_products, batch):
     top_experts = torch.stack([torch.randperm(4, generator=generator)[:topk] + 1 for _ in range(batch)])
     with torch.no_grad():
         actual = torch.ops.megacispo.decode_experts(tokens, probs, top_experts, fc1, fc2)
-        expected = decode_experts(
-            tokens.double(), probs.double(), top_experts, [w.double() for w in fc1], [w.double() for w in fc2]
-        )
+        expected = decode_experts(tokens.double(), probs.double(), top_experts, fc1.double(), fc2.double())
     assert actual.shape == tokens.shape and actual.dtype == torch.float32
     assert (actual.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
@@ -169,7 +168,7 @@ def test_decode_experts_kernel_equals_the_fp64_experts(cpu_products, batch):
 def test_decode_experts_in_bf16_is_the_torch_implementation(cpu_products):
     generator = torch.Generator().manual_seed(6)
     fc1, fc2 = _experts(4, 16, 8, generator)
-    fc1, fc2 = [w.bfloat16() for w in fc1], [w.bfloat16() for w in fc2]
+    fc1, fc2 = fc1.bfloat16(), fc2.bfloat16()
     tokens, probs = torch.randn(3, 16, generator=generator).bfloat16(), torch.rand(3, 2, generator=generator)
     top_experts = torch.tensor([[0, 1], [2, 3], [1, 3]])
     with torch.no_grad():
@@ -185,9 +184,9 @@ def test_bad_inputs_name_the_argument(cpu_products):
     with pytest.raises(RuntimeError, match="expert id 3 outside"):
         op(tokens, probs, torch.tensor([[0, 3], [1, 2]]), fc1, fc2)
     with pytest.raises(RuntimeError, match="fc1 weight must be a contiguous fp32"):
-        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), [fc1[0].double(), *fc1[1:]], fc2)
-    with pytest.raises(RuntimeError, match="expert 1 weights"):
-        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), [fc1[0], fc1[1][:, :8].contiguous(), fc1[2]], fc2)
+        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), fc1.double(), fc2)
+    with pytest.raises(RuntimeError, match="expert 0 weights"):
+        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), fc1[:, :, :8].contiguous(), fc2)
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, FEW_ROWS, 40])

@@ -170,11 +170,35 @@ def test_without_triton_module_imports_and_call_raises(monkeypatch: pytest.Monke
         without_triton.lightning_attention_triton(q, k, v, DECAY)
 
 
+def _blockwise_torch(q, k, v, decay, initial, cu_seqlens=None):
+    """The block-wise torch implementation: ``lightning_attention`` picks it for CPU tensors (CUDA
+    ones go to the Triton kernel), so it runs on CPU copies; autograd carries the gradients back."""
+    out, final_state = lightning_attention(q.cpu(), k.cpu(), v.cpu(), decay.cpu(), initial.cpu(), cu_seqlens.cpu())
+    return out.to(q.device), final_state.to(q.device)
+
+
+def test_the_cuda_reference_is_the_blockwise_torch_path() -> None:
+    """_blockwise_torch, the CUDA test's reference, gives each packed document's recurrence (CPU
+    inputs here; the CUDA test hands it CUDA ones, which it computes on the CPU all the same)."""
+    doc_lengths = [1, 15, 16, 17]
+    cu_seqlens = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()])
+    inputs = _random_inputs(batch=1, seq_len=sum(doc_lengths), num_states=len(doc_lengths), seed=13)
+    inputs = tuple(x.double() for x in inputs)
+    out, final_state = _blockwise_torch(*inputs[:3], DECAY, inputs[3], cu_seqlens)
+    for doc, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        ref_out, ref_final = lightning_attention_reference(
+            *(x[:, start:end] for x in inputs[:3]), DECAY, inputs[3][doc : doc + 1]
+        )
+        _assert_close(out[:, start:end], ref_out, 1e-10)
+        _assert_close(final_state[doc : doc + 1], ref_final, 1e-10)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_cuda_compiled_kernels_match_blockwise_torch(dtype: torch.dtype, tol: float) -> None:
     """The compiled kernels at the model's head dim 128 and the default block 64, on packed documents
-    of lengths around the block size, against the pure-torch block-wise path in fp64."""
+    of lengths around the block size, against the pure-torch block-wise path in fp64 (on the CPU:
+    lightning_attention on CUDA tensors would be the Triton kernel itself)."""
     from megacispo.models import lightning_triton
 
     if lightning_triton.INTERPRETED:
@@ -184,5 +208,5 @@ def test_cuda_compiled_kernels_match_blockwise_torch(dtype: torch.dtype, tol: fl
     inputs = _random_inputs(batch=1, seq_len=sum(doc_lengths), num_states=len(doc_lengths), head_dim=128, seed=11)
     rounded = tuple(x.to(dtype).float().cuda() for x in inputs)  # both sides see the same dtype-rounded values
     result = _forward_backward(lightning_triton.lightning_attention_triton, rounded, dtype, cu_seqlens=cu_seqlens)
-    expected = _forward_backward(lightning_attention, rounded, torch.float64, cu_seqlens=cu_seqlens)
+    expected = _forward_backward(_blockwise_torch, rounded, torch.float64, cu_seqlens=cu_seqlens)
     _assert_matches(result, expected, tol)

@@ -85,7 +85,8 @@ def test_eos_ends_a_response_and_masks_line_up():
     # Step 0: token 3 for sure; step 1: EOS for sure.
     sure = lambda token: [0.0 if i == token else -1e4 for i in range(VOCAB)]  # noqa: E731
     policy = ScriptedPolicy([sure(3), sure(EOS), sure(4)])
-    samples = generate(policy, [[1, 5, 5], [1, 5]], _config(), stop_ids=[EOS], pad_id=PAD, keys=_keys(2))
+    samples = generate(policy, [[1, 5, 5], [1, 5]], _config(host_check_every=1), stop_ids=[EOS], pad_id=PAD,
+                       keys=_keys(2))
     assert samples.response_lengths.tolist() == [2, 2]
     assert response_token_ids(samples, 0) == [3, EOS] and response_token_ids(samples, 1) == [3, EOS]
     assert samples.tokens[1].tolist() == [1, 5, 3, EOS, PAD]
@@ -93,8 +94,25 @@ def test_eos_ends_a_response_and_masks_line_up():
     # Position t predicts token t + 1: the response of row 1 starts at token 2, so positions 1 and 2.
     assert samples.loss_mask[1].tolist() == [0.0, 1.0, 1.0, 0.0]
     assert samples.rollout_logprobs[1, 0] == 0 and samples.rollout_logprobs[1, 1] > -1e-3
-    assert policy.calls == 1  # stopped as soon as every sequence had finished
+    assert policy.calls == 1  # the host looked after every step: stopped as soon as every sequence had finished
     assert policy.training  # generation switches to eval mode and back
+
+
+def test_host_looks_every_n_steps_and_the_samples_stay_the_same():
+    """With rollout.host_check_every = 4 the ended rows idle until the host's next look (decode steps
+    2 and 3 here, where EOS ended both at the second draw), and nothing of theirs is recorded: the
+    same samples as looking after every step."""
+    sure = lambda token: [0.0 if i == token else -1e4 for i in range(VOCAB)]  # noqa: E731
+    runs = {}
+    for every in (1, 4):
+        policy = ScriptedPolicy([sure(3), sure(EOS)] + [sure(4)] * 6)
+        samples = generate(policy, [[1, 5, 5], [1, 5]], _config(host_check_every=every), stop_ids=[EOS], pad_id=PAD,
+                           keys=_keys(2))
+        runs[every] = (samples, policy.calls)
+    (eager, eager_calls), (lazy, lazy_calls) = runs[1], runs[4]
+    assert (eager_calls, lazy_calls) == (1, 3)
+    for name in ("tokens", "response_lengths", "rollout_logprobs", "loss_mask", "truncated_early"):
+        assert torch.equal(getattr(lazy, name), getattr(eager, name)), name
 
 
 def test_early_truncation_after_n_confident_tokens():

@@ -171,13 +171,13 @@ at::Tensor torch_implementation(const char* name, torch::jit::Stack stack) {
   return stack.back().toTensor();
 }
 
+// fc1_weight [E, 2F, H] and fc2_weight [E, H, F]: the experts' stacked weights.
 at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
-                          at::TensorList fc1_weights, at::TensorList fc2_weights) {
+                          const at::Tensor& fc1_weight, const at::Tensor& fc2_weight) {
   if (tokens.scalar_type() == at::kFloat && probs.scalar_type() == at::kFloat) {
-    return megacispo::decode_experts_kernel(tokens, probs, top_experts, fc1_weights, fc2_weights);
+    return megacispo::decode_experts_kernel(tokens, probs, top_experts, fc1_weight.unbind(0), fc2_weight.unbind(0));
   }
-  return torch_implementation("megacispo::decode_experts",
-                              {tokens, probs, top_experts, fc1_weights.vec(), fc2_weights.vec()});
+  return torch_implementation("megacispo::decode_experts", {tokens, probs, top_experts, fc1_weight, fc2_weight});
 }
 
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {

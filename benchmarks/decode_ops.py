@@ -1,0 +1,114 @@
+"""Ops per layer of one decode step, by slot count: megacispo's decode paths beside transformers'
+MiniMaxForCausalLM of the same shape and weights.
+
+The model: ``tiny`` widened to 32 experts (top-2), as issue 37 measured it; its softmax layer's
+rotary_dim = head_dim (HF rotates whole heads). Each side prefills ``slots`` random prompts of 9-40
+tokens (left-padded), then one decode step runs under ``megacispo.testing.op_counter.OpCounter``:
+the kernel-launching ops each decoder layer runs, counted as a CUDA build would launch them (views
+and bare allocations left out, this project's custom ops as their composite implementations,
+rms_norm as torch's one fused CUDA kernel). A GPU launches about one kernel per op counted, so the
+columns are kernel launches per layer per generated token. Columns:
+
+- lean: HybridModel's lean decode step (TP = 1, local layers: what rollouts run at that layout),
+- megatron: the same step through Megatron's modules (``lean_decode = False``: the path of TP > 1,
+  expert parallelism and Transformer Engine layers, here at a world of one),
+- HF: transformers' decode step with its MiniMaxCache,
+
+each the maximum over the model's layers (lightning and softmax layers differ), with the step's host
+syncs (``.item()`` / ``.tolist()`` and data-dependent shapes) as counted by the same counter.
+
+    .venv/bin/python benchmarks/decode_ops.py [--slots 1 16 64] [--experts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megacispo.testing.harness import run_distributed
+
+PAD = 0
+
+
+def prompts_for(slots: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded random prompts of 9-40 tokens: (input_ids [slots, W], attention_mask [slots, W])."""
+    generator = torch.Generator().manual_seed(slots)
+    lengths = torch.randint(9, 41, (slots,), generator=generator)
+    width = int(lengths.max())
+    input_ids = torch.randint(3, vocab_size, (slots, width), generator=generator)
+    mask = torch.arange(width) >= width - lengths[:, None]
+    return input_ids.masked_fill(~mask, PAD), mask
+
+
+def count_ours(model, slots: int, lean: bool) -> tuple[int, int]:
+    from megacispo.testing.op_counter import OpCounter, counting_layers, layer_op_counts
+
+    input_ids, mask = prompts_for(slots, model.vocab_size)
+    model.lean_decode = lean
+    with model.generation_dtype(torch.float32), model.recording_routes():
+        logits, cache = model.prefill(input_ids, mask)
+        model.decode_step(logits.argmax(-1), cache)  # the first step may allocate what later steps reuse
+        counter = OpCounter()
+        with counter, counting_layers(counter, list(model.decoder.layers), "step" if lean else "forward"):
+            model.decode_step(logits.argmax(-1), cache)
+    return max(layer_op_counts(counter)), len(counter.host_syncs)
+
+
+def count_hf(hf_model, slots: int) -> tuple[int, int]:
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    from megacispo.testing.op_counter import OpCounter, counting_layers, layer_op_counts
+
+    input_ids, mask = prompts_for(slots, hf_model.config.vocab_size)
+    with torch.no_grad():
+        cache = MiniMaxCache()
+        out = hf_model(input_ids, attention_mask=mask.long(), past_key_values=cache, use_cache=True)
+        mask = torch.cat([mask, torch.ones(slots, 1, dtype=torch.bool)], dim=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        out = hf_model(token, attention_mask=mask.long(), past_key_values=cache, use_cache=True)
+        mask = torch.cat([mask, torch.ones(slots, 1, dtype=torch.bool)], dim=1)
+        counter = OpCounter()
+        with counter, counting_layers(counter, list(hf_model.model.layers), "forward"):
+            hf_model(token, attention_mask=mask.long(), past_key_values=cache, use_cache=True)
+    return max(layer_op_counts(counter)), len(counter.host_syncs)
+
+
+def measure(slot_counts: list[int], experts: int) -> list[tuple]:
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    from megacispo.models import hf_names
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.testing import hf_models
+
+    tiny = model_config("tiny", num_experts=experts, moe_router_topk=2)
+    config = tiny.replace(rotary_dim=tiny.head_dim)
+    init_distributed(ParallelConfig(), seed=0)
+    torch.manual_seed(0)
+    hf_model = MiniMaxForCausalLM(MiniMaxConfig(**hf_names.config_to_hf(config))).eval()
+    model = HybridModel(config, transformer_config(config, ParallelConfig()))
+    tensors = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
+    model.load_state_dict(hf_models.full_to_single_process(hf_models.hf_to_full(tensors, config)), strict=False)
+    model.eval()
+    return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=False),
+             count_hf(hf_model, slots)) for slots in slot_counts]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--experts", type=int, default=32)
+    args = parser.parse_args()
+    (rows,) = run_distributed(measure, 1, args.slots, args.experts, timeout_s=600.0)
+    print(f"tiny model, {args.experts} experts, top-2; ops per layer per decode step (the most of any layer), "
+          "host syncs per step\n")
+    print("| slots | lean | megatron | transformers | lean syncs | megatron syncs | transformers syncs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for slots, (lean, lean_syncs), (megatron, megatron_syncs), (hf, hf_syncs) in rows:
+        print(f"| {slots} | {lean} | {megatron} | {hf} | {lean_syncs} | {megatron_syncs} | {hf_syncs} |")
+
+
+if __name__ == "__main__":
+    main()

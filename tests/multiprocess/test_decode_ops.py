@@ -1,0 +1,205 @@
+"""A decode step launches a fixed, small number of kernels and never waits for the device.
+
+On the lean path (benchmarks/decode_ops.py's model: tiny, 32 experts, top-2, fp32) every decoder
+layer of one ``decode_step`` runs at most 30 kernel-launching ops (``OpCounter``: a CUDA build's
+count), the same number at 1, 16 and 64 slots: the experts run as grouped products over all slots'
+routed tokens, whatever the routing. The step reads nothing back to the host (no ``.item()``,
+``.tolist()``, ``bool(tensor)`` or data-dependent shape), so a CUDA graph can hold it. The same holds
+for a whole rollout's decode steps (the sampler's draw with top-k, top-p and early truncation, the
+model's step, the routes' record): only the host's looks every rollout.host_check_every steps read
+back. Planted reads (``.tolist()``, ``nonzero``, ``bool``, an ``.item()`` in the draw) are caught, so
+the checks can fail. The lean step with the sampler and the cache's in-place updates traces with
+torch.compile(fullgraph=True) (no graph break) and samples what the eager step samples. With
+precision.fp8 set, generation runs outside FP8.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from megacispo.testing.harness import run_distributed
+from megacispo.testing.op_counter import OpCounter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import decode_ops  # noqa: E402
+
+MAX_OPS_PER_LAYER = 30
+
+
+def _lean_counts() -> list[tuple[int, int]]:
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    config = model_config("tiny", num_experts=32, moe_router_topk=2)
+    init_distributed(ParallelConfig(), seed=0)
+    model = HybridModel(config, transformer_config(config, ParallelConfig(), init_method_std=0.3)).eval()
+    return [decode_ops.count_ours(model, slots, lean=True) for slots in (1, 16, 64)]
+
+
+def test_lean_decode_step_ops_are_few_fixed_and_sync_free():
+    (counts,) = run_distributed(_lean_counts, 1)
+    ops = [count for count, _ in counts]
+    assert max(ops) <= MAX_OPS_PER_LAYER, f"ops per layer at 1, 16, 64 slots: {ops}"
+    assert max(ops) - min(ops) <= 1, f"ops per layer grow with the slots: {ops}"
+    assert [syncs for _, syncs in counts] == [0, 0, 0], f"host syncs per decode step: {counts}"
+
+
+def test_planted_host_reads_are_caught():
+    values = torch.tensor([0.0, 2.0, 0.0, 3.0])
+    counter = OpCounter()
+    with counter:
+        values.tolist()
+        values.nonzero()
+        bool(values.sum() > 1)
+        (values * 2).sum()
+    assert counter.host_syncs.count("tolist") == 1 and "aten::nonzero" in counter.host_syncs
+    assert "__bool__" in counter.host_syncs
+    assert counter.by_op["aten::mul"] == 1
+
+
+def _decode_with_fp8_configured() -> dict:
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    config = model_config("tiny")
+    init_distributed(ParallelConfig(), seed=0)
+    model = HybridModel(config, transformer_config(config, ParallelConfig())).eval()
+    model.lean_decode = False  # through Megatron's TransformerBlock, which enters FP8 from the config
+    model.config.fp8 = "hybrid"  # as precision.fp8 sets it (this CPU has no Transformer Engine to run it)
+    input_ids, mask = decode_ops.prompts_for(3, config.vocab_size)
+    seen = []  # the FP8 setting Megatron's block reads while each forward runs its layers
+    model.decoder.layers[0].register_forward_pre_hook(lambda module, args: seen.append(module.config.fp8))
+    model.prefill(input_ids, mask)
+    outcome = {"outside": list(seen)}
+    seen.clear()
+    with model.generation_dtype(torch.float32):
+        logits, cache = model.prefill(input_ids, mask)
+        logits, _ = model.decode_step(logits.argmax(-1), cache)
+        outcome["finite"] = bool(logits.isfinite().all())
+    outcome["inside"], outcome["after"] = list(seen), model.config.fp8
+    return outcome
+
+
+def test_rollouts_run_outside_fp8():
+    """With precision.fp8 set, generation (``generation_dtype``) runs the GEMMs unquantized, and the
+    training config gets its FP8 back after; the same prefill outside generation sees FP8 on."""
+    (outcome,) = run_distributed(_decode_with_fp8_configured, 1)
+    assert outcome["outside"] == ["hybrid"]
+    assert outcome["inside"] == [None, None] and outcome["finite"]
+    assert outcome["after"] == "hybrid"
+
+
+def _rollout_syncs(plant: bool) -> dict:
+    """generate() on the tiny model, sampling with top-k, top-p and early truncation, 2 slots for 6
+    samples (refills), under OpCounter: the host syncs inside each decode step (the draw, the model's
+    step, the routes' record) and in the whole rollout. ``plant``: the draw also reads a value."""
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import _SlotRollout, generate, sample_keys
+
+    config = model_config("tiny")
+    init_distributed(ParallelConfig(), seed=0)
+    model = HybridModel(config, transformer_config(config, ParallelConfig(), init_method_std=0.3))
+    counter = OpCounter()
+    steps = {"decode": 0}
+
+    def in_step(method):
+        def counted(*args, **kwargs):
+            with counter.counting_as("decode step"):
+                if plant and method.__name__ == "_draw":
+                    args[1].max().item()
+                return method(*args, **kwargs)
+        return counted
+
+    decode_step = model.decode_step
+
+    def counted_decode_step(*args, **kwargs):
+        steps["decode"] += 1
+        return in_step(decode_step)(*args, **kwargs)
+
+    model.decode_step = counted_decode_step
+    prefill = model.prefill
+
+    def counted_prefill(*args, **kwargs):  # a prefill checks its inputs on the host: not a decode step
+        with counter.counting_as("prefill"):
+            return prefill(*args, **kwargs)
+
+    model.prefill = counted_prefill
+    draw, record = _SlotRollout._draw, _SlotRollout._record_step_routes
+    _SlotRollout._draw, _SlotRollout._record_step_routes = in_step(draw), in_step(record)
+    try:
+        rollout = RolloutConfig(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.9, max_running=2,
+                                early_truncation_tokens=6, early_truncation_prob=0.5, host_check_every=8)
+        prompts = [[3 + i, 7, 11 + 2 * i] for i in range(6)]
+        with counter:
+            generate(model, prompts, rollout, stop_ids=[2], pad_id=0, keys=sample_keys((1,), range(6), 1, device="cpu"))
+    finally:
+        _SlotRollout._draw, _SlotRollout._record_step_routes = draw, record
+    engine = len(counter.host_syncs) - counter.syncs_by_region["decode step"] - counter.syncs_by_region["prefill"]
+    return {"in_steps": counter.syncs_by_region["decode step"], "engine": engine, "decode_steps": steps["decode"]}
+
+
+def test_decode_steps_read_nothing_back_and_the_host_looks_every_n_steps():
+    (outcome,) = run_distributed(_rollout_syncs, 1, False)
+    assert outcome["in_steps"] == 0, outcome
+    # Between steps, the host's looks (every 8 steps, or at a length limit) and the final copy: far
+    # fewer than one a step.
+    assert outcome["decode_steps"] >= 24 and outcome["engine"] <= outcome["decode_steps"] / 4, outcome
+
+
+def test_a_planted_read_in_a_decode_step_is_caught():
+    (outcome,) = run_distributed(_rollout_syncs, 1, True)
+    assert outcome["in_steps"] >= outcome["decode_steps"], outcome
+
+
+def _compiled_step_outputs() -> dict:
+    """The lean decode step with the sampler (top-k, top-p, per-sample streams), the KV append and
+    the lightning states' update in place, traced by torch.compile with fullgraph=True (a graph
+    break raises), against the same steps run eagerly on a copy of the cache."""
+    import copy
+
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import sample_keys, sample_tokens
+
+    config = model_config("tiny")
+    init_distributed(ParallelConfig(), seed=0)
+    model = HybridModel(config, transformer_config(config, ParallelConfig(), init_method_std=0.3)).eval()
+    rollout = RolloutConfig(temperature=1.0, top_k=20, top_p=0.9)
+    input_ids, mask = decode_ops.prompts_for(4, config.vocab_size)
+    keys = sample_keys((0,), range(4), 1, device="cpu")
+
+    def step(tokens, drawn, cache):
+        _, logits = model._lean_stage(tokens, cache.next_positions[:, None], cache, None)
+        return sample_tokens(logits[:, 0], rollout, keys, drawn)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    outputs = {}
+    with torch.no_grad(), model.generation_dtype(torch.float32), model.recording_routes():
+        logits, prefilled = model.prefill(input_ids, mask)
+        prefilled.reserve(8)
+        for name, run in (("eager", step), ("compiled", compiled)):
+            cache, tokens, drawn = copy.deepcopy(prefilled), logits.argmax(-1), []
+            for position in range(4):
+                cache.append_token()
+                tokens, logprobs, _ = run(tokens, torch.full((4,), position), cache)
+                cache.next_positions = cache.next_positions + 1
+                drawn.append((tokens, logprobs))
+            outputs[name] = drawn
+    return outputs
+
+
+def test_decode_step_with_sampling_traces_as_one_graph():
+    (outputs,) = run_distributed(_compiled_step_outputs, 1)
+    for (tokens, logprobs), (eager_tokens, eager_logprobs) in zip(outputs["compiled"], outputs["eager"]):
+        assert torch.equal(tokens, eager_tokens)
+        assert torch.allclose(logprobs, eager_logprobs, atol=1e-6)
