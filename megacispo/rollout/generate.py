@@ -20,8 +20,9 @@ slot.
 A decode step is decided on the device: which rows still decode, what each draws, when a sample
 ends (a stop id, its length limit, early truncation); nothing is read back to the host inside it, so
 that a GPU never waits for the host between steps. The host looks every ``rollout.host_check_every``
-steps (and, outside a lockstep group, at the step a sample reaches its length limit) with one copy
-of the rows' state, and only then frees, refills or drops rows: an ended row idles until then.
+steps (by default 4 on a GPU, 1 on a CPU, where a look costs nothing; outside a lockstep group also
+at the step a sample reaches its length limit) with one copy of the rows' state, and only then
+frees, refills or drops rows: an ended row idles until then.
 
 Sampling does not depend on the slots: each sample has a 64-bit key (``sample_keys``: from the
 seed, the step and the sample's place in the global batch), and its token t is drawn by inverse-CDF
@@ -437,7 +438,7 @@ class _SlotRollout:
         decode steps, and, outside a lockstep group, as soon as a row has run as many steps as its
         sample's length limit (it has ended, then or before). The ranks of a lockstep group look at
         the same steps only, since they agree (a collective) when they look."""
-        every = self.config.host_check_every
+        every = self.config.steps_between_looks(self.device.type == "cuda")
         at_limit = any(s >= 0 and steps >= self.limits[s] for s, steps in zip(self.row_sample, self.row_steps))
         return self.group is None and at_limit or (self.decode_steps + 1) % every == 0
 
