@@ -27,6 +27,32 @@ prefill shapes (a CPU artifact; the column "first call peak" shows it).
 
     .venv/bin/python benchmarks/rollout_engine.py [--samples 64] [--long 1024] [--slots 8 16 32 0]
         [--flat-samples 32 128] [--flat-slots 16]
+
+Multi-turn (``--multi-turn``, issue #38): the slot engine with ``conversations`` on the same ``small``
+model (rotary_dim = head_dim as above; our own initialization from seed 0, no HF side), where every
+sample talks for --turns model turns to ``SleepyToolEnv``, whose step() sleeps --env-sleep-ms and
+replies with a fixed tool message of TOOL_REPLY's few tokens (done at the last turn). A turn ends at
+a stop id: the random model's next-token distribution is close to uniform over its vocabulary, so
+MULTI_TURN_STOP_FRACTION of the ids are stop ids (the first ones after PAD / BOS / EOS) and a turn's
+length is about geometric with mean 1 / that fraction (20 tokens; the script prints the measured
+mean). A per-turn length stop would control the lengths exactly, but ``generate`` caps only a
+sample's whole response (rollout.max_new_tokens = MULTI_TURN_TOKENS_PER_TURN x --turns, which ends a
+rare long conversation early). Random prompts of 16-128 tokens, temperature 1. Two modes, each in a
+fresh process after a warm-up rollout without sleeps (the CPU layer's per-shape plans):
+
+- concurrent: ``megacispo.envs.turns.EnvWorkers`` (env.workers threads): a sleeping call holds its
+  own sample's slot while the other slots decode;
+- synchronous: ``SynchronousWorkers``, the same interface running each call at once in the calling
+  thread: the decode loop stops for every call, as an engine without a pool of workers would.
+
+Tokens/s = sampled tokens (the loss mask's, not the fed replies) / wall seconds of conversations.prompts
+and generate together, the median of --repeats rollouts; "sleep hidden" = (synchronous - concurrent
+wall seconds) / the environment's total sleep (env calls x --env-sleep-ms): 100% when every sleep
+overlaps decoding. The script asserts that both modes produce the same samples (tokens and loss
+mask): sampling depends on each sample's key, not on when replies arrive.
+
+    .venv/bin/python benchmarks/rollout_engine.py --multi-turn [--env-sleep-ms 50] [--turns 3]
+        [--samples 32] [--slots 16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -192,6 +218,181 @@ def measure(engine: str, slots: int, num_samples: int, long_tokens: int, threads
             "first_peak_mib": first_call.above_start_mib}
 
 
+# ------------------------------------------------------------------------------------------------
+# Multi-turn: an environment that sleeps per call, its calls on threads or in the decode loop
+
+MULTI_TURN_STOP_FRACTION = 1 / 20
+MULTI_TURN_TOKENS_PER_TURN = 96
+TOOL_REPLY = "tool: ok"
+REPLY_BASE = 1000
+"""Reply ids are REPLY_BASE + a character's code: past the stop ids, so a reply reads as text, not as turn ends."""
+
+
+class ToolTokenizer:
+    """What ``ReplyRenderer`` (no chat template) and ``Conversations`` need of a tokenizer: the stop ids,
+    and text <-> ids one character each for the tool replies."""
+
+    bos_id, eos_id, pad_id = 1, 2, PAD
+
+    def __init__(self, vocab_size: int):
+        first = self.eos_id + 1
+        self.stop_ids = (self.eos_id, *range(first, first + round(vocab_size * MULTI_TURN_STOP_FRACTION)))
+        if REPLY_BASE < self.stop_ids[-1] + 1 or REPLY_BASE + 128 > vocab_size:
+            raise ValueError(f"vocab_size = {vocab_size}: the stop ids end at {self.stop_ids[-1]}, and the reply ids "
+                             f"({REPLY_BASE}-{REPLY_BASE + 127}) must lie past them and inside the vocabulary")
+
+    def encode(self, text: str) -> list[int]:
+        return [REPLY_BASE + ord(c) % 128 for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class SleepyToolEnv:
+    """An environment whose step() sleeps ``sleep_ms`` (a tool's latency) and answers TOOL_REPLY as a tool
+    message; the conversation is over at model turn ``turns``."""
+
+    def __init__(self, sleep_ms: float, turns: int):
+        self.sleep_s, self.turns, self.turn = sleep_ms / 1000, turns, 0
+
+    def reset(self, record) -> None:
+        return None
+
+    def step(self, assistant_message: str):
+        from megacispo.envs.base import EnvStep
+
+        self.turn += 1
+        time.sleep(self.sleep_s)
+        if self.turn >= self.turns:
+            return EnvStep(reward=1.0, done=True, metrics={"calls": 1})
+        return EnvStep(messages=[{"role": "tool", "content": TOOL_REPLY}], metrics={"calls": 1})
+
+
+class SynchronousWorkers:
+    """``EnvWorkers``' interface with no threads: submit() runs the call at once in the calling thread (the
+    decode loop), so every environment call stops decoding for as long as it takes."""
+
+    def __init__(self) -> None:
+        self._ready: list[tuple[object, object, str | None, float]] = []
+
+    def submit(self, tag, fn) -> None:
+        started = time.monotonic()
+        try:
+            result, error = fn(), None
+        except Exception as raised:  # as EnvWorkers: an environment's error is its sample's failure
+            result, error = None, f"raised {type(raised).__name__}: {raised}"
+        self._ready.append((tag, result, error, time.monotonic() - started))
+
+    def results(self, timeout_s: float = 0.0) -> list[tuple[object, object, str | None, float]]:
+        """Every call's result since the last look (all are ready: ``timeout_s`` never waits)."""
+        ready, self._ready = self._ready, []
+        return ready
+
+    def close(self) -> None:
+        """Nothing runs beside the caller."""
+
+
+def multi_turn_rollout(model, prompts: list[list[int]], tokenizer: ToolTokenizer, mode: str, sleep_ms: float,
+                       turns: int, slots: int) -> dict:
+    """One multi-turn rollout of ``prompts`` with the environment's calls run as ``mode`` says: its samples
+    (tokens, loss mask), env sums, decode steps, wall and CPU seconds of conversations.prompts and generate
+    together."""
+    from megacispo.data.chat import ReplyRenderer
+    from megacispo.data.prompts import PromptRecord
+    from megacispo.envs.config import EnvConfig
+    from megacispo.envs.turns import Conversations, EnvWorkers, sum_metrics
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import generate, sample_keys
+
+    env = EnvConfig(name="sleepy", params={"sleep_ms": sleep_ms, "turns": turns}, max_turns=turns, timeout_s=30.0)
+    workers = EnvWorkers(env.workers) if mode == "concurrent" else SynchronousWorkers()
+    records = [PromptRecord(prompt="", answer=str(index)) for index in range(len(prompts))]
+    config = RolloutConfig(max_new_tokens=MULTI_TURN_TOKENS_PER_TURN * turns, temperature=1.0, max_running=slots)
+    steps = model.decode_steps = 0
+    try:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        conversations = Conversations(env, SleepyToolEnv, ReplyRenderer(tokenizer, chat_template=False), records,
+                                      workers)
+        first = conversations.prompts(lambda record: prompts[int(record.answer)])
+        samples = generate(model, first, config, stop_ids=tokenizer.stop_ids, pad_id=PAD,
+                           keys=sample_keys((0,), range(len(prompts)), 1, device="cpu"),
+                           conversations=conversations)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        steps = model.decode_steps
+    finally:
+        workers.close()
+    failures = [failure for failure in conversations.failures() if failure]
+    if failures:
+        raise RuntimeError(f"{len(failures)} samples failed their environment, the first: {failures[0]}")
+    sums = sum_metrics(conversations.sample_metrics())
+    return {"tokens": samples.tokens, "loss_mask": samples.loss_mask, "generated": int(samples.loss_mask.sum()),
+            "fed": int(sums["env/fed_tokens"]), "env_calls": int(sums["env/calls"]), "turns": int(sums["env/turns"]),
+            "decode_steps": steps, "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
+def measure_multi_turn(mode: str, slots: int, num_samples: int, sleep_ms: float, turns: int, threads: int,
+                       repeats: int) -> dict:
+    """One mode's multi-turn rollout in this (fresh) process, after a warm-up rollout without sleeps: the
+    run of median wall time of ``repeats`` (the machine is shared), each checked to give the same samples."""
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    torch.set_num_threads(threads)
+    small = model_config("small")
+    config = small.replace(rotary_dim=small.head_dim)
+    init_distributed(ParallelConfig(), seed=0)
+    torch.manual_seed(0)
+    model = HybridModel(config, transformer_config(config, ParallelConfig()))
+    decode_step = model.decode_step
+
+    def counted_decode_step(*args, **kwargs):
+        model.decode_steps += 1
+        return decode_step(*args, **kwargs)
+
+    model.decode_step = counted_decode_step  # the engine's decode steps, idle rows' steps included
+    tokenizer = ToolTokenizer(config.vocab_size)
+    prompts, _ = workload(num_samples, 1, config.vocab_size)
+    multi_turn_rollout(model, prompts, tokenizer, mode, 0.0, turns, slots)
+    runs = [multi_turn_rollout(model, prompts, tokenizer, mode, sleep_ms, turns, slots) for _ in range(repeats)]
+    for run in runs[1:]:
+        if not (torch.equal(run["tokens"], runs[0]["tokens"]) and torch.equal(run["loss_mask"], runs[0]["loss_mask"])):
+            raise AssertionError(f"{mode}, slots {slots}: a repeated rollout's samples differ from the first's")
+    return sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
+
+
+def multi_turn_main(args: argparse.Namespace) -> None:
+    print(f"{describe_machine()}, {args.threads} threads, load average {os.getloadavg()[0]:.1f}")
+    print(f"{args.samples} samples, {args.turns} turns, env.step sleeps {args.env_sleep_ms:g} ms, "
+          f"stop ids {MULTI_TURN_STOP_FRACTION:.3f} of the vocabulary, median of {args.repeats} runs\n")
+    print("| mode | samples | slots | env calls | model turns | generated tokens | tokens / turn | fed tokens "
+          "| decode steps | CPU s | wall s | tokens / wall s | vs synchronous | sleep hidden |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for slots in args.slots:
+        results = {}
+        for mode in ("synchronous", "concurrent"):
+            (result,) = run_distributed(measure_multi_turn, 1, mode, slots, args.samples, args.env_sleep_ms,
+                                        args.turns, args.threads, args.repeats, timeout_s=900.0)
+            results[mode] = result
+            rate = result["generated"] / result["seconds"]
+            sync = results["synchronous"]
+            # The share of the environment's total sleep that the concurrent mode no longer waits for.
+            slept = result["env_calls"] * args.env_sleep_ms / 1000
+            saved = sync["seconds"] - result["seconds"]
+            hidden = "-" if mode == "synchronous" or not slept else f"{saved / slept:.0%}"
+            label = "all" if slots == 0 else str(slots)
+            print(f"| {mode} | {args.samples} | {label} | {result['env_calls']} | {result['turns']} | "
+                  f"{result['generated']} | {result['generated'] / result['turns']:.1f} | {result['fed']} | "
+                  f"{result['decode_steps']} | {result['cpu_seconds']:.1f} | {result['seconds']:.1f} | {rate:.0f} | "
+                  f"{rate / (sync['generated'] / sync['seconds']):.2f}x | {hidden} |", flush=True)
+        sync, concurrent = results["synchronous"], results["concurrent"]
+        if not (torch.equal(sync["tokens"], concurrent["tokens"]) and torch.equal(sync["loss_mask"],
+                                                                                  concurrent["loss_mask"])):
+            raise AssertionError(f"slots {slots}: the concurrent rollout's samples differ from the synchronous one's; "
+                                 "sampling must not depend on when the environment answers")
+    print(f"\nsamples identical in both modes; load average at the end {os.getloadavg()[0]:.1f}")
+
+
 def describe_machine() -> str:
     model = "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
@@ -201,19 +402,33 @@ def describe_machine() -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=64, help="samples of the main comparison")
+    parser.add_argument("--samples", type=int, help="samples of the main comparison (default 64; multi-turn 32)")
     parser.add_argument("--long", type=int, default=1024, help="tokens of the few long responses")
-    parser.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32, 0], help="max_running values (0: all)")
+    parser.add_argument("--slots", type=int, nargs="+",
+                        help="max_running values, 0: all (default 8 16 32 0; multi-turn 16)")
     parser.add_argument("--flat-samples", type=int, nargs="*", default=[32, 128],
                         help="more sample counts for the slot engine at --flat-slots (peak vs samples)")
     parser.add_argument("--flat-slots", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers' generate out")
     parser.add_argument("--threads", type=int, default=1)
-    return parser.parse_args()
+    parser.add_argument("--multi-turn", action="store_true",
+                        help="only the multi-turn rows: the environment's calls on threads vs in the decode loop")
+    parser.add_argument("--env-sleep-ms", type=float, default=50.0, help="multi-turn: each env.step call's sleep")
+    parser.add_argument("--turns", type=int, default=3, help="multi-turn: model turns per sample")
+    parser.add_argument("--repeats", type=int, default=3, help="multi-turn: timed rollouts per mode (median reported)")
+    args = parser.parse_args()
+    if args.samples is None:
+        args.samples = 32 if args.multi_turn else 64
+    if args.slots is None:
+        args.slots = [16] if args.multi_turn else [8, 16, 32, 0]
+    return args
 
 
 def main() -> None:
     args = parse_args()
+    if args.multi_turn:
+        multi_turn_main(args)
+        return
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # inherited by each measurement's process
     _, limits = workload(args.samples, args.long, 16384)
     print(f"{describe_machine()}, {args.threads} threads, load average {os.getloadavg()[0]:.1f}")

@@ -22,6 +22,7 @@ import yaml
 
 from megacispo.checkpoint.formats import CONFIG_FILE, hf_model_config, is_hf_directory
 from megacispo.data.config import DataConfig
+from megacispo.envs.config import EnvConfig
 from megacispo.evaluation.config import EvalConfig
 from megacispo.metrics.config import LoggingConfig
 from megacispo.models.config import HybridModelConfig, PrecisionConfig, RecomputeConfig, model_config
@@ -51,6 +52,8 @@ class Config:
     """Rollouts on processes of their own."""
     rl: RLConfig = field(default_factory=RLConfig)
     """The RL recipe."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts: the environment that answers the model."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -246,7 +249,7 @@ def load_config(path: str | None, overrides: list[str] = (), load_field: str | N
     if hf_dir is not None:
         tree["model"] = _model_values_from_hf(tree.get("model", {}), hf_dir, load_field)
     config = _build(Config, tree, "config")
-    for section in (config.data, config.rollout, config.placement, config.rl, config.optimizer, config.train,
+    for section in (config.data, config.rollout, config.placement, config.rl, config.env, config.optimizer, config.train,
                     config.sft, config.eval, config.logging):
         section.check()
     return config

@@ -22,6 +22,8 @@ from megacispo.config import Config, load_config
 from megacispo.data.prompts import PromptLimit, PromptRecord, RecordFields, load_prompts
 from megacispo.data.rewards import get_reward_fn
 from megacispo.data.tokenizer import Tokenizer
+from megacispo.envs.base import get_environment_factory, make_environment
+from megacispo.envs.turns import build_renderer
 from megacispo.fields import check_choice
 from megacispo.metrics.logger import check_logging
 from megacispo.models.config import check_precision_and_recompute, model_shape, parameter_counts
@@ -205,10 +207,15 @@ def load_rl_prompt_file(config: Config, tokenizer, name: str) -> tuple[list[Prom
 
 def load_sft_data(config: Config, tokenizer) -> list[PromptRecord]:
     """data.sft_pairs, each pair tokenized once: prompt, answer and EOS must fit in the model's context,
-    and their inputs (all tokens but the last) in a packed micro-batch."""
+    and their inputs (all tokens but the last) in a packed micro-batch. A pair with "turns" is a
+    multi-turn demonstration, rendered as env.name's rollouts lay conversations out (megacispo.data.chat)."""
     context = config.model.max_position_embeddings
+    render_turns = None
+    if config.env.multi_turn:
+        render_turns = build_renderer(config.env, get_environment_factory(config.env.name), tokenizer,
+                                      config.data.chat_template).turn_ids
     limit = PromptLimit(tokenizer, context, f"model.max_position_embeddings = {context}", config.data.overlong_prompts,
-                        with_answer=True)
+                        with_answer=True, render_turns=render_turns)
     pairs = _load_data_file(config, "sft_pairs", limit)
     longest = max((len(pair.prompt_ids) + len(pair.target_ids) - 1 for pair in pairs), default=0)
     config.train.check_fits(longest, f"the longest pair of data.sft_pairs = {config.data.sft_pairs}, without its last token")
@@ -267,6 +274,7 @@ def check_config(config: Config) -> Config:
     except ValueError as error:
         raise ValueError(f"rl.reward: {error}") from None
     adaptive_clip.check_bounds(rl.adaptive_clip, rl.loss, params)
+    _check_environment(config)
     _check_placement(config)
     _check_context_parallel(config)
     _check_lengths(config)
@@ -306,6 +314,19 @@ def _check_context_parallel(config: Config) -> None:
             f"replicas of their own in the training processes; set placement.rollout_ranks = 0 or "
             f"parallel.context_parallel_size = 1"
         )
+
+
+def _check_environment(config: Config) -> None:
+    """env.name names an environment that can be made with env.params (one is made now)."""
+    env = config.env
+    if env.multi_turn:
+        make_environment(get_environment_factory(env.name), env.params, env.name)
+
+
+def check_environment_tokens(config: Config, tokenizer) -> None:
+    """env.stop_tokens are single tokens of the run's tokenizer, and the chat template can place replies."""
+    if config.env.multi_turn:
+        build_renderer(config.env, get_environment_factory(config.env.name), tokenizer, config.data.chat_template)
 
 
 def _check_placement(config: Config) -> None:

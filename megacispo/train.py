@@ -11,6 +11,7 @@ from megacispo.rl.start import check_start
 from megacispo.startup import (
     bad_input_exits,
     build_parser,
+    check_environment_tokens,
     check_rl_batches,
     load_rl_prompts,
     load_tokenizer,
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             print(plan(config, world_size))
             return 0
         tokenizer = load_tokenizer(config)
+        check_environment_tokens(config, tokenizer)
         metric_hooks = build_metric_hooks(config.logging.metric_hooks, tokenizer)
         train_records, test_records, prompt_metrics = load_rl_prompts(config, tokenizer)
         start = check_start(config, args.resume, train_records)  # the checkpoints, before anything is built

@@ -401,6 +401,10 @@ class InferenceCache:
         rotated keys of a softmax layer (the capacity doubles when full: amortized O(1) appends)."""
         self.values: dict[int, torch.Tensor] = {}
         """Global layer index -> [b, kv heads, capacity, d], the values, like keys."""
+        self.live_rows: torch.Tensor | None = None
+        """[b] bool: the rows a decode step advances; the others are held as they are (their lightning
+        states unchanged, their new position masked, their RoPE position kept: a multi-turn sample
+        waiting for its environment's reply). None: every row advances."""
 
     @property
     def valid_mask(self) -> torch.Tensor:
@@ -416,10 +420,22 @@ class InferenceCache:
         return self._length
 
     def append_token(self) -> None:
-        """Add one real token per sequence (a decode step) to the valid mask."""
+        """Add one position per sequence (a decode step) to the valid mask: a real token of every row
+        ``live_rows`` advances."""
         self._valid_buffer = _with_capacity(self._valid_buffer, 1, self._length, self._length + 1)
-        self._valid_buffer[:, self._length] = True
+        self._valid_buffer[:, self._length] = True if self.live_rows is None else self.live_rows
+        self.has_padding = self.has_padding or self.live_rows is not None
         self._length += 1
+
+    def append_positions(self, positions: int) -> None:
+        """Add ``positions`` real tokens to every sequence (a prefill that continues the cache's sequences)."""
+        self._valid_buffer = _with_capacity(self._valid_buffer, 1, self._length, self._length + positions)
+        self._valid_buffer[:, self._length:self._length + positions] = True
+        self._length += positions
+
+    def advance_positions(self) -> None:
+        """Move every row's RoPE position on by a decode step's token (a held row's stays)."""
+        self.next_positions = self.next_positions + (1 if self.live_rows is None else self.live_rows)
 
     def reserve(self, positions: int) -> None:
         """Make room in every buffer for ``positions`` positions beyond the current ones now, so
@@ -487,6 +503,35 @@ class InferenceCache:
                 size = min(positions, kept - begin)
                 buffer.narrow(dim, begin, size).copy_(buffer.narrow(dim, begin + positions, size))
         self._length = kept
+
+    def pad_front(self, positions: int) -> None:
+        """Put ``positions`` masked positions before the oldest position of every row, in place where the
+        buffers have room: the room a row needs to grow at the newest end (``write_rows`` of a longer
+        sequence) when its sequence already starts at the oldest position."""
+        if positions <= 0:
+            return
+        used, needed = self._length, self._length + positions
+        self._valid_buffer = _with_capacity(self._valid_buffer, 1, used, needed)
+        for store in (self.keys, self.values):
+            for layer_idx, buffer in store.items():
+                store[layer_idx] = _with_capacity(buffer, 2, used, needed)
+        for buffer, dim in [(self._valid_buffer, 1), *((kv, 2) for kv in (*self.keys.values(), *self.values.values()))]:
+            # From the newest chunk back, so that no chunk overwrites positions still to be moved.
+            for end in range(used, 0, -positions):
+                begin = max(0, end - positions)
+                buffer.narrow(dim, begin + positions, end - begin).copy_(buffer.narrow(dim, begin, end - begin))
+        self._valid_buffer[:, :positions] = False
+        self.has_padding = True
+        self._length = needed
+
+    def newest(self, positions: int) -> InferenceCache:
+        """The cache of the ``positions`` newest positions of every row (views of these buffers)."""
+        start = self._length - positions
+        view = InferenceCache(valid_mask=self.valid_mask[:, start:], next_positions=self.next_positions)
+        view.lightning_states = dict(self.lightning_states)
+        view.keys = {layer: k[:, :, start:self._length] for layer, k in self.keys.items()}
+        view.values = {layer: v[:, :, start:self._length] for layer, v in self.values.items()}
+        return view
 
     def select(self, indices: torch.Tensor) -> InferenceCache:
         """The cache of a subset (or a reordering) of the sequences, e.g. to drop finished ones."""

@@ -146,13 +146,19 @@ def lightning_step_decay(decay: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 def lightning_state_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step_decay: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step_decay: torch.Tensor, state: torch.Tensor,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lightning_decode_step`` without the checks, with the decay factors exp(-s_h) [h, 1, 1]
     precomputed by ``lightning_step_decay``: the per-token path of a decoder that keeps them. The
-    state [b, h, d, d] advances in place (and is returned): three kernels, no new state per token."""
+    state [b, h, d, d] advances in place (and is returned): three kernels, no new state per token.
+    ``live`` [b] bool: only these rows advance; the others' states stay exactly as they are (decay 1,
+    no key), two kernels more (``InferenceCache.live_rows``)."""
     batch, heads, dim = q.shape
     flat_state = state.view(batch * heads, dim, dim)
+    if live is not None:
+        step_decay = torch.where(live[:, None, None, None], step_decay, 1.0)
+        k = k * live[:, None, None]
     state.mul_(step_decay)
     flat_state.baddbmm_(k.reshape(batch * heads, dim, 1), v.reshape(batch * heads, 1, dim))
     out = torch.bmm(q.reshape(batch * heads, 1, dim), flat_state).view(batch, heads, dim)

@@ -144,7 +144,7 @@ class LightningMixer(MegatronModule):
         qkv = F.silu(F.linear(hidden, self.qkv_proj.weight)).reshape(batch, self.num_local_heads, 3 * self.head_dim)
         q, k, v = at_least_fp32(qkv).split(self.head_dim, dim=-1)  # each [b, heads, d]
         out, cache.lightning_states[self.layer_idx] = lightning_state_step(
-            q, k, v, self.step_decay(q.device, q.dtype), cache.lightning_states[self.layer_idx]
+            q, k, v, self.step_decay(q.device, q.dtype), cache.lightning_states[self.layer_idx], cache.live_rows
         )
         out = out.to(hidden.dtype).reshape(batch, -1)  # [b, heads * d]
         gate = F.linear(hidden, self.output_gate.weight)
@@ -165,7 +165,8 @@ class LightningMixer(MegatronModule):
             )
         state = None if cache is None else cache.lightning_states.get(self.layer_idx)
         if state is not None and q.shape[1] == 1:
-            out, state = lightning_state_step(q[:, 0], k[:, 0], v[:, 0], self.step_decay(q.device, q.dtype), state)
+            out, state = lightning_state_step(q[:, 0], k[:, 0], v[:, 0], self.step_decay(q.device, q.dtype), state,
+                                              cache.live_rows)
             out = out[:, None]
         else:
             cu_seqlens = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q

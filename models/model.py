@@ -437,8 +437,25 @@ class HybridModel(LanguageModule):
         logits = self._decode_forward(
             token_ids, position_ids, None, cache, last_only=True, one_step=True, compiled=compiled
         )
-        cache.next_positions = cache.next_positions + 1
+        cache.advance_positions()
         return logits[:, -1], cache
+
+    @torch.no_grad()
+    def extend(self, cache: InferenceCache, row: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Feed ``token_ids`` [k] to the sequence of ``row`` ([1] int64) of ``cache`` after its last token,
+        from its cached state: a multi-turn rollout's environment reply, prefilled with nothing before it
+        recomputed. The row's sequence is rewritten to end at the cache's newest position, so its oldest
+        k positions must be masked (``InferenceCache.pad_front`` makes room). Returns the full-vocabulary
+        fp32 logits [1, V] of its last token; a prefill's routes are recorded (``last_routes(1, k)``)."""
+        length = token_ids.numel()
+        extended = cache.select(row)
+        extended.append_positions(length)
+        position_ids = extended.next_positions[:, None] + torch.arange(length, device=token_ids.device)
+        attention_mask = torch.ones((1, length), dtype=torch.bool, device=token_ids.device)
+        logits = self._decode_forward(token_ids.view(1, length), position_ids, attention_mask, extended, last_only=True)
+        extended.next_positions = extended.next_positions + length
+        cache.write_rows(row, extended.newest(cache.length))
+        return logits[:, -1]
 
     def _decode_forward(
         self, input_ids, position_ids, attention_mask, cache: InferenceCache, *, last_only: bool,

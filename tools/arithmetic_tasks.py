@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
-from megacispo.data.prompts import PromptRecord
+from megacispo.data.prompts import PromptRecord, format_jsonl
+from megacispo.files import atomic_write_text
 
 TASK_OPERATORS: dict[str, tuple[str, ...]] = {
     "addition": ("+",),
@@ -211,3 +214,28 @@ def generate_task_data(
             for record, true in zip(sft, train)
         ]
     return TaskData(train=train, sft=sft, test=test)
+
+
+class TaskFiles(Protocol):
+    """What a task's files are made of (TaskData here, make_tool_task's ToolTaskData)."""
+
+    train: list[PromptRecord]
+    sft: list[PromptRecord]
+    test: list[PromptRecord]
+
+    def corpus_lines(self) -> list[str]: ...
+
+
+def write_task_data(out_dir: Path, data: TaskFiles) -> list[Path]:
+    """The task's train.jsonl, sft.jsonl, test.jsonl and corpus.txt (tokenizer training text), each atomically."""
+    files = {
+        "train.jsonl": format_jsonl(data.train),
+        "sft.jsonl": format_jsonl(data.sft),
+        "test.jsonl": format_jsonl(data.test),
+        "corpus.txt": "".join(line + "\n" for line in data.corpus_lines()),
+    }
+    paths = []
+    for name, text in files.items():
+        atomic_write_text(out_dir / name, text)
+        paths.append(out_dir / name)
+    return paths

@@ -30,10 +30,11 @@ from megacispo.config import Config
 from megacispo.data.prompts import PromptRecord, prompt_token_ids
 from megacispo.data.rewards import get_reward_fn, score_responses
 from megacispo.data.tokenizer import Tokenizer
-from megacispo.evaluation.evaluator import EVAL_STREAM, response_text
+from megacispo.evaluation.evaluator import EVAL_STREAM
 from megacispo.evaluation.run import load_model
 from megacispo.evaluation.source import check_eval, weights_source
 from megacispo.parallel.layout import destroy_distributed, init_distributed, run_device
+from megacispo.rollout.episodes import response_text
 from megacispo.rollout.generate import generate, sample_keys
 from megacispo.startup import bad_input_exits, build_parser, load_rl_prompt_file, load_tokenizer, start_up
 

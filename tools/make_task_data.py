@@ -23,10 +23,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from arithmetic_tasks import MAX_DIGITS, MAX_OPERANDS, TASK_OPERATORS, ArithmeticTask, TaskData, generate_task_data
-
-from megacispo.data.prompts import format_jsonl
-from megacispo.files import atomic_write_text
+from arithmetic_tasks import (
+    MAX_DIGITS,
+    MAX_OPERANDS,
+    TASK_OPERATORS,
+    ArithmeticTask,
+    generate_task_data,
+    write_task_data,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,20 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--digits", type=int, default=2, help=f"operands are in [0, 10**digits), 1..{MAX_DIGITS}")
     parser.add_argument("--operands", type=int, default=2, help=f"operands per problem, 2..{MAX_OPERANDS}")
     return parser.parse_args(argv)
-
-
-def write_task_data(out_dir: Path, data: TaskData) -> list[Path]:
-    files = {
-        "train.jsonl": format_jsonl(data.train),
-        "sft.jsonl": format_jsonl(data.sft),
-        "test.jsonl": format_jsonl(data.test),
-        "corpus.txt": "".join(line + "\n" for line in data.corpus_lines()),
-    }
-    paths = []
-    for name, text in files.items():
-        atomic_write_text(out_dir / name, text)
-        paths.append(out_dir / name)
-    return paths
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,13 +58,16 @@ REQUIRED_PANELS: tuple[tuple[str, str], ...] = (
     (CLIP_LOW_TAG, "fraction of tokens clipped low"),
 )
 # Drawn where some run has the tag: the mask (all megacispo losses log it, 0 without one), the probe
-# (runs with logging.metric_hooks.probe_token) and the adapted bound (runs with rl.adaptive_clip).
+# (runs with logging.metric_hooks.probe_token), the adapted bound (runs with rl.adaptive_clip) and the
+# conversations' tool use (multi-turn runs with env.name: python).
 OPTIONAL_PANELS: tuple[tuple[str, str], ...] = (
     (MASK_TAG, "fraction of tokens masked"),
     (PROBE_START_TAG, "marker probability at the response's start"),
     (PROBE_CLIP_HIGH_TAG, "fraction of marker tokens clipped high"),
     (PROBE_CLIP_LOW_TAG, "fraction of marker tokens clipped low"),
     (EPS_HIGH_TAG, "eps_high (adaptive clip bound)"),
+    ("env/tool_calls", "tool calls per rollout sample"),
+    ("env/correct_tool_use", "rollout samples with correct tool use"),
 )
 # The table's marker columns: (tag, header), shown when some run logs either tag.
 MARKER_COLUMNS: tuple[tuple[str, str], ...] = (

@@ -4,6 +4,7 @@
 
 --vocab-size is an upper bound: a small corpus (the arithmetic task's) yields fewer pieces, which a
 model with a 512-row embedding uses as is. --exact-vocab-size turns a shortfall into an error.
+--symbols makes texts single tokens (a tool call's tags, which env.stop_tokens must name as one token each).
 The choices behind the model (digits split, byte fallback, fixed special ids) are documented in
 megacispo/data/tokenizer.py.
 """
@@ -24,13 +25,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--exact-vocab-size", action="store_true", help="fail unless the corpus fills exactly --vocab-size pieces"
     )
+    parser.add_argument(
+        "--symbols", nargs="*", default=[],
+        help="texts that are always one token each, e.g. a tool call's tags: --symbols '<python>' '</python>'",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        model_path = train_sentencepiece(args.input, args.vocab_size, args.out, args.exact_vocab_size)
+        model_path = train_sentencepiece(args.input, args.vocab_size, args.out, args.exact_vocab_size, args.symbols)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

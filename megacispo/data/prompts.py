@@ -37,7 +37,7 @@ import os
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, Union
 
 import torch
 
@@ -48,6 +48,8 @@ PARQUET_BATCH_ROWS = 1024
 """Rows per record batch read from a Parquet file: memory holds one batch, never the whole table."""
 
 Messages = list[dict[str, str]]
+TURNS_FIELD = "turns"
+"""An SFT record's multi-turn demonstration: the messages after its prompt, the model's as "assistant"."""
 Prompt = Union[str, Messages]
 
 
@@ -64,6 +66,9 @@ class PromptRecord:
     loaded without one."""
     target_ids: tuple[int, ...] = field(default=(), repr=False)
     """The SFT target's ids, stored by a PromptLimit that counts the answer; empty otherwise."""
+    target_mask: tuple[bool, ...] = field(default=(), repr=False)
+    """A multi-turn target's (the "turns" field's): True at the ids the model writes, False at the
+    replies between its turns; empty: the model writes every target id."""
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "answer": self.answer, **self.extra}
@@ -231,13 +236,19 @@ class PromptLimit:
     """Records dropped so far by overlong = skip."""
     num_truncated: int = 0
     """Records shortened so far by overlong = truncate_left."""
+    render_turns: Callable[[Messages], tuple[list[int], list[bool]]] | None = None
+    """Renders an SFT record's "turns" (a multi-turn demonstration: ReplyRenderer.turn_ids); None: no record has them."""
 
     def fit(self, record: PromptRecord, where: str, chat_template: bool = False) -> PromptRecord | None:
         """``record`` with its prompt ids (and target ids), None when it is skipped; raises when it
         cannot be made to fit."""
+        target_mask: list[bool] = []
         try:
             prompt_ids = encode_prompt(self.tokenizer, record.prompt, chat_template)
-            target_ids = encode_target(self.tokenizer, record, chat_template) if self.with_answer else []
+            if self.with_answer and TURNS_FIELD in record.extra:
+                target_ids, target_mask = self._turns(record.extra[TURNS_FIELD])
+            else:
+                target_ids = encode_target(self.tokenizer, record, chat_template) if self.with_answer else []
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
         excess = len(prompt_ids) + len(target_ids) - self.max_tokens
@@ -250,7 +261,20 @@ class PromptLimit:
             prompt_ids = prompt_ids[:kept] + prompt_ids[kept + excess:]
         elif excess > 0:
             raise ValueError(self._overlong_error(where, excess + self.max_tokens, len(target_ids), chat_template))
-        return replace(record, prompt_ids=tuple(prompt_ids), target_ids=tuple(target_ids))
+        return replace(record, prompt_ids=tuple(prompt_ids), target_ids=tuple(target_ids), target_mask=tuple(target_mask))
+
+    def _turns(self, turns: Any) -> tuple[list[int], list[bool]]:
+        if self.render_turns is None:
+            raise ValueError(f"field {TURNS_FIELD!r} (a multi-turn demonstration) needs env.name set, whose "
+                             "replies it renders; set env.name or drop the field")
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"field {TURNS_FIELD!r} must be a non-empty list of {{\"role\", \"content\"}} messages")
+        messages = _check_messages(turns, "the record", TURNS_FIELD)
+        roles = {message["role"] for message in messages} - {"assistant", "tool", "user", "system"}
+        if roles or messages[-1]["role"] != "assistant":
+            raise ValueError(f"field {TURNS_FIELD!r}: roles are assistant, tool, user or system, and the last turn is "
+                             f"the model's (assistant); got roles {[m['role'] for m in messages]}")
+        return self.render_turns(messages)
 
     def _overlong_error(self, where: str, num_tokens: int, num_answer_tokens: int, chat_template: bool) -> str:
         if chat_template:
@@ -313,7 +337,8 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]: ...
 
 
 def chat_messages(prompt: Prompt) -> Messages:
@@ -371,6 +396,8 @@ class SFTExample:
     """The prompt ids, then the target ids (the module docstring's layout)."""
     num_prompt_tokens: int
     """Length of the prompt ids; the loss covers the tokens after them."""
+    target_mask: tuple[bool, ...] = ()
+    """A multi-turn target's ids the model writes (PromptRecord.target_mask); empty: all of them."""
 
 
 def build_sft_example(tokenizer: TokenizerLike, record: PromptRecord, max_length: int | None = None,
@@ -384,7 +411,7 @@ def build_sft_example(tokenizer: TokenizerLike, record: PromptRecord, max_length
             f"SFT example {record.prompt!r} -> {record.answer!r} is {len(token_ids)} tokens, more than "
             f"max_length={max_length}; raise the sequence length or drop long examples"
         )
-    return SFTExample(token_ids=token_ids, num_prompt_tokens=len(prompt_ids))
+    return SFTExample(token_ids=token_ids, num_prompt_tokens=len(prompt_ids), target_mask=record.target_mask)
 
 
 @dataclass(frozen=True)
@@ -415,7 +442,8 @@ def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> SFTBatch:
     for row, example in enumerate(examples):
         length = len(example.token_ids)
         tokens[row, :length] = torch.tensor(example.token_ids, dtype=torch.int64, device="cpu")
-        target_mask[row, example.num_prompt_tokens : length] = 1.0
+        written = example.target_mask or (True,) * (length - example.num_prompt_tokens)
+        target_mask[row, example.num_prompt_tokens : length] = torch.tensor(written, dtype=torch.float32, device="cpu")
     lengths = torch.tensor([len(example.token_ids) for example in examples], device="cpu")
     return SFTBatch(
         input_ids=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=target_mask[:, 1:],

@@ -273,14 +273,32 @@ def _score_one(reward_fn: RewardFn, response: str, record: PromptRecord) -> tupl
 
 @dataclass(frozen=True)
 class RewardScores:
-    """The rewards of a batch of responses and how often the verifier failed on them."""
+    """The rewards of a batch of responses and why the verifier failed on some."""
 
     rewards: list[float]
     """One per response; failure_reward where the verifier failed."""
-    num_failures: int
-    """Responses whose verifier raised or returned no finite number."""
-    first_failure: str
-    """The first failure, with its prompt and response (truncated); empty when none failed."""
+    failures: tuple[str, ...]
+    """Per response: why its verifier failed (raised, or returned no finite number), with its prompt and
+    response (truncated); empty where it did not."""
+
+    @property
+    def num_failures(self) -> int:
+        return sum(map(bool, self.failures))
+
+    @property
+    def first_failure(self) -> str:
+        """The first failure; empty when none failed."""
+        return next(filter(None, self.failures), "")
+
+    def select(self, rows: slice) -> RewardScores:
+        """The scores of ``rows`` alone."""
+        return RewardScores(self.rewards[rows], self.failures[rows])
+
+    @staticmethod
+    def concat(parts: Sequence[RewardScores]) -> RewardScores:
+        """The scores of ``parts``' responses in order."""
+        return RewardScores([reward for part in parts for reward in part.rewards],
+                            tuple(failure for part in parts for failure in part.failures))
 
 
 def score_responses(
@@ -309,19 +327,18 @@ def score_responses(
         verdicts = [_score_one(reward_fn, response, record) for response, record in zip(responses, records)]
     else:
         verdicts = reward_worker(reward_fn).score(list(zip(responses, records)), timeout_s, interrupted)
-    rewards = []
-    num_failures = 0
-    first_failure = ""
+    rewards, failures, num_failures = [], [], 0
     for response, record, (reward, failure) in zip(responses, records, verdicts):
+        described = ""
         if reward is None:
             num_failures += 1
             reward = failure_reward
+            described = f"{failure} for prompt {_truncate(record.prompt)}, response {_truncate(response)}"
             if num_failures <= MAX_LOGGED_FAILURES:
-                described = f"{failure} for prompt {_truncate(record.prompt)}, response {_truncate(response)}"
-                first_failure = first_failure or described
                 logger.warning("reward %s %s; scored %s", getattr(reward_fn, "__name__", repr(reward_fn)),
                                described, failure_reward)
         rewards.append(reward)
+        failures.append(described)
     if num_failures > MAX_LOGGED_FAILURES:
         logger.warning(
             "reward failed on %d of %d samples (the first %d logged above)",
@@ -329,7 +346,7 @@ def score_responses(
             len(responses),
             MAX_LOGGED_FAILURES,
         )
-    return RewardScores(rewards, num_failures, first_failure)
+    return RewardScores(rewards, tuple(failures))
 
 
 class RewardFailureError(ValueError):

@@ -109,8 +109,10 @@ class Tokenizer(abc.ABC):
         """
 
     @abc.abstractmethod
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]:
-        """The ids of ``messages`` ({"role", "content"} dicts) rendered by the chat template."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The ids of ``messages`` ({"role", "content"} dicts) rendered by the chat template, with the
+        JSON schemas of ``tools`` where the template renders them."""
 
     @abc.abstractmethod
     def save_files(self, directory: str | os.PathLike) -> list[Path]:
@@ -199,7 +201,8 @@ class SentencePieceTokenizer(Tokenizer):
     def id_to_piece(self, token_id: int) -> str:
         return self._processor.IdToPiece(token_id)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         raise ValueError(
             f"the sentencepiece tokenizer {str(self.path)!r} has no chat template; set data.chat_template: false, "
             "or set data.tokenizer to a Hugging Face tokenizer directory whose tokenizer_config.json defines one"
@@ -317,7 +320,8 @@ class HFTokenizer(Tokenizer):
         pieces.append(self._hf.decode(run, skip_special_tokens=True))
         return "".join(pieces)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         from jinja2 import TemplateError
 
         if not self.has_chat_template:
@@ -327,7 +331,8 @@ class HFTokenizer(Tokenizer):
             )
         try:
             ids = self._hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                               tokenize=True, return_dict=False)
+                                               tools=None if tools is None else list(tools), tokenize=True,
+                                               return_dict=False)
         except TemplateError as error:
             raise ValueError(f"the chat template of {str(self.path)!r} fails on these messages: {error}") from error
         return [int(token_id) for token_id in ids]
@@ -354,7 +359,7 @@ def _check_corpus(input_paths: Sequence[Path]) -> None:
         raise ValueError(f"tokenizer corpus {[str(p) for p in input_paths]} holds no text; pass a non-empty corpus")
 
 
-def _train_model_bytes(lines: Iterable[str], vocab_size: int, exact_vocab_size: bool) -> bytes:
+def _train_model_bytes(lines: Iterable[str], vocab_size: int, exact_vocab_size: bool, symbols: Sequence[str]) -> bytes:
     model = io.BytesIO()
     # sentence_iterator + model_writer instead of file paths: sentencepiece stores the input paths
     # and model prefix in the model, so two trainings on the same text would differ in bytes.
@@ -364,6 +369,7 @@ def _train_model_bytes(lines: Iterable[str], vocab_size: int, exact_vocab_size: 
         model_writer=model,
         vocab_size=vocab_size,
         hard_vocab_limit=exact_vocab_size,
+        user_defined_symbols=list(symbols),
         model_type="bpe",
         split_digits=True,
         byte_fallback=True,
@@ -408,19 +414,21 @@ def train_sentencepiece(
     vocab_size: int,
     out_dir: str | os.PathLike,
     exact_vocab_size: bool = False,
+    symbols: Sequence[str] = (),
 ) -> Path:
     """Train a BPE model on the text files and write ``out_dir/tokenizer.model``; return its path.
 
     ``vocab_size`` is an upper bound unless ``exact_vocab_size``: a small corpus (the arithmetic
     task has 13 distinct characters) cannot fill 512 pieces, and the model only needs its embedding
     table to be at least as large as the tokenizer. The output is identical bytes for identical text.
+    ``symbols``: texts that are always one token each (a tool call's tags, env.stop_tokens).
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size} must be positive; pass e.g. --vocab-size 512")
     paths = [Path(path) for path in input_paths]
     _check_corpus(paths)
     try:
-        model_bytes = _train_model_bytes(_corpus_lines(paths), vocab_size, exact_vocab_size)
+        model_bytes = _train_model_bytes(_corpus_lines(paths), vocab_size, exact_vocab_size, symbols)
     except RuntimeError as error:
         raise _training_error(error, vocab_size) from error
     out_path = Path(out_dir) / MODEL_FILENAME

@@ -3,7 +3,8 @@ sampled per prompt, pass@k by the unbiased estimator of Chen et al. 2021 ("Evalu
 Models Trained on Code"). The trainer (``Trainer.evaluate``) and the entry point megacispo.eval both
 run an ``Evaluator``.
 
-A response is correct when its reward is at least 1 (rl.reward, as rollout/accuracy counts it). The
+A response is correct when its reward is at least 1 (as rollout/accuracy counts it: rl.reward, or with
+env.name the conversation's reward as env.reward makes it; megacispo.rollout.episodes). The
 test prompts are split over the data-parallel ranks and the per-prompt counts summed over them. The
 metrics do not depend on the DP size: sample j of test prompt i draws its tokens from a random
 stream keyed by (train.seed, i, j) (megacispo.rollout.generate.sample_keys), whichever rank decodes it and
@@ -25,29 +26,21 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megacispo.data.prompts import PromptRecord, prompt_token_ids
-from megacispo.data.rewards import RewardFn, score_responses
+from megacispo.data.prompts import PromptRecord
 from megacispo.data.tokenizer import Tokenizer
 from megacispo.evaluation.config import EvalConfig
 from megacispo.evaluation.pass_at_k import pass_at_k, pass_at_k_values
 from megacispo.models.model import HybridModel
 from megacispo.parallel.layout import run_device
 from megacispo.rollout.config import RolloutConfig
-from megacispo.rollout.generate import Samples, generate, response_token_ids, sample_keys
+from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
+from megacispo.rollout.generate import sample_keys
 
 # The per-prompt counts every rank fills for its prompts and the ranks sum: one row per test prompt.
 GREEDY_CORRECT, GREEDY_LENGTH, SAMPLED_CORRECT, SAMPLED_LENGTH = range(4)
 NUM_COUNTS = 4
 # Names evaluation's random streams, apart from the trainer's rollouts (megacispo.rollout.generate.sample_keys).
 EVAL_STREAM = 0x4556414C
-
-
-def response_text(tokenizer: Tokenizer, samples: Samples, row: int) -> str:
-    """The decoded response of ``row``, without the stop token that ended it."""
-    ids = response_token_ids(samples, row)
-    if ids and ids[-1] in tokenizer.stop_ids:
-        ids = ids[:-1]
-    return tokenizer.decode(ids)
 
 
 def eval_metrics(counts: Sequence[Sequence[float]], eval_config: EvalConfig) -> dict[str, float]:
@@ -74,22 +67,20 @@ class Evaluator:
     """Greedy and sampled evaluation of ``model`` on ``records`` (the test prompts); call on every rank
     of the model's layout, each with the same records. ``dp_group``: the data-parallel group, over
     which the prompts are split and the ranks decode in lockstep. ``settings``: the eval section;
-    ``rollout``: the generation settings it samples with; ``seed``: train.seed; ``failure_reward`` and
-    ``reward_timeout_s``: rl.failure_reward and rl.reward_timeout_s; ``interrupt``: called on every rank
-    at the same points, raises to stop (None: never stops); ``stop_pending``: whether this rank was told
-    to stop, for a reward call in flight."""
+    ``rollout``: the generation settings it samples with; ``seed``: train.seed; ``scoring``: the reward
+    and its limits; ``environments``: env.name's (None: single-turn); ``interrupt``: called on every
+    rank at the same points, raises to stop (None: never stops)."""
 
-    def __init__(self, model: HybridModel, tokenizer: Tokenizer, records: Sequence[PromptRecord], reward_fn: RewardFn,
+    def __init__(self, model: HybridModel, tokenizer: Tokenizer, records: Sequence[PromptRecord],
                  dp_group: dist.ProcessGroup, *, settings: EvalConfig, rollout: RolloutConfig, seed: int,
-                 failure_reward: float, reward_timeout_s: float, interrupt: Callable[[], None] | None = None,
-                 stop_pending: Callable[[], bool] = lambda: False):
+                 scoring: Scoring, environments: Environments | None = None,
+                 interrupt: Callable[[], None] | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.records = list(records)
-        self.reward_fn = reward_fn
         self.dp_group = dp_group
-        self.settings, self.rollout, self.seed, self.failure_reward = settings, rollout, seed, failure_reward
-        self.reward_timeout_s, self.interrupt, self.stop_pending = reward_timeout_s, interrupt, stop_pending
+        self.settings, self.rollout, self.seed = settings, rollout, seed
+        self.scoring, self.environments, self.interrupt = scoring, environments, interrupt
         self.device = run_device()
         # Every DP-th prompt: the ranks' shares differ by one prompt at most.
         self.indices = list(range(dist.get_rank(dp_group), len(self.records), dist.get_world_size(dp_group)))
@@ -126,20 +117,12 @@ class Evaluator:
         decoded = self.indices or [0]
         records = [self.records[index] for index in decoded for _ in range(num_samples)]
         keys = sample_keys((self.seed, EVAL_STREAM), decoded, num_samples, device=self.device)
-        samples = generate(self.model, [prompt_token_ids(self.tokenizer, record) for record in records], sampling,
-                           stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id, keys=keys,
-                           lockstep_group=self.dp_group, interrupt=self.interrupt)
-        try:
-            if not self.indices:
-                return [], []
-            texts = [response_text(self.tokenizer, samples, row) for row in range(len(records))]
-            rewards = score_responses(self.reward_fn, texts, records, self.failure_reward,
-                                      timeout_s=self.reward_timeout_s, interrupted=self.stop_pending).rewards
-        finally:
-            # Every rank, a scoring rank or not: a SIGTERM that stopped one rank's scoring stops them all.
-            if self.interrupt is not None:
-                self.interrupt()
-        return [float(reward >= 1.0) for reward in rewards], samples.response_lengths.tolist()
+        samples, scores, _ = sample_and_score(self.model, records, sampling, tokenizer=self.tokenizer, keys=keys,
+                                              scoring=self.scoring, environments=self.environments,
+                                              lockstep_group=self.dp_group, interrupt=self.interrupt)
+        if not self.indices:
+            return [], []
+        return [float(reward >= 1.0) for reward in scores.rewards], samples.response_lengths.tolist()
 
 
 def _all_reduce_rows(rows: list[list[float]], group: dist.ProcessGroup, device: torch.device) -> list[list[float]]:

@@ -15,6 +15,7 @@ from megacispo.evaluation.evaluator import Evaluator
 from megacispo.evaluation.source import WeightsSource, eval_log_dir
 from megacispo.metrics.logger import MetricsLogger, is_logging_rank
 from megacispo.parallel.layout import destroy_distributed, init_distributed
+from megacispo.rollout.episodes import Environments, Scoring
 from megacispo.startup import bad_input_exits
 from megacispo.training.engine import build_inference_model
 
@@ -37,11 +38,12 @@ def load_model(config: Config, source: WeightsSource):
 
 
 def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
-    """The metrics of megacispo.evaluation.evaluator on every rank, rewarded by rl.reward."""
-    return Evaluator(model, tokenizer, records, get_reward_fn(config.rl.reward), parallel_state.get_data_parallel_group(),
-                     settings=config.eval, rollout=config.rollout, seed=config.train.seed,
-                     failure_reward=config.rl.failure_reward,
-                     reward_timeout_s=config.rl.reward_timeout_s).run()
+    """The metrics of megacispo.evaluation.evaluator on every rank, rewarded by rl.reward (and env.name's
+    environment, as a run's rollouts are)."""
+    scoring = Scoring(get_reward_fn(config.rl.reward), config.rl.failure_reward, config.rl.reward_timeout_s)
+    return Evaluator(model, tokenizer, records, parallel_state.get_data_parallel_group(), settings=config.eval,
+                     rollout=config.rollout, seed=config.train.seed, scoring=scoring,
+                     environments=Environments.build(config.env, tokenizer, config.data.chat_template)).run()
 
 
 def run_eval(config: Config, source: WeightsSource, tokenizer: Tokenizer, records: list[PromptRecord]) -> None:

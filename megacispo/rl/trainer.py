@@ -35,10 +35,11 @@ from megacispo.checkpoint.distributed import (
 from megacispo.checkpoint.hf import load_start_weights
 from megacispo.config import Config, to_dict
 from megacispo.data.padding import pad_right
-from megacispo.data.prompts import PromptRecord, PromptSampler, prompt_token_ids
-from megacispo.data.rewards import RewardFailureError, RewardScores, get_reward_fn, score_responses
+from megacispo.data.prompts import PromptRecord, PromptSampler
+from megacispo.data.rewards import RewardFailureError, RewardScores, get_reward_fn
 from megacispo.data.tokenizer import Tokenizer
-from megacispo.evaluation.evaluator import Evaluator, response_text
+from megacispo.envs.turns import sum_metrics
+from megacispo.evaluation.evaluator import Evaluator
 from megacispo.metrics.logger import MetricsLogger, Timer, moe_load_balance, pearson_correlation
 from megacispo.models.routing import RoutingTargets, disagreement_metrics
 from megacispo.parallel.layout import broadcast_from_last_stage
@@ -48,7 +49,8 @@ from megacispo.rl.losses import Sequences, compute_global_counts, compute_policy
 from megacispo.rl.metric_hooks import MetricHook, UpdateMicroBatch
 from megacispo.rl.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
 from megacispo.rl.start import RunStart, checkpoint_root
-from megacispo.rollout.generate import Samples, generate, sample_keys
+from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
+from megacispo.rollout.generate import Samples, sample_keys
 from megacispo.rollout.remote import RemoteRollouts, concat_samples
 from megacispo.training.engine import Engine
 from megacispo.training.packing import PackedRow
@@ -130,6 +132,8 @@ class RolloutTally:
     """Samples whose verifier failed."""
     first_failure: str = ""
     """The first verifier failure's text (empty: none)."""
+    env_sums: dict[str, float] = field(default_factory=dict)
+    """Multi-turn: the env/* counts summed over the rounds' samples (Conversations.sample_metrics)."""
     groups: float = 0.0
     """Prompt groups sampled."""
     dropped: float = 0.0
@@ -212,6 +216,9 @@ class Trainer:
         # What loading did to the prompts (data/*: skipped or truncated for length), logged with the first evaluation.
         self.prompt_metrics = prompt_metrics or {}
         self.reward_fn = get_reward_fn(config.rl.reward)
+        self.scoring = Scoring(self.reward_fn, config.rl.failure_reward, config.rl.reward_timeout_s, self._stop_pending)
+        # env.name: every sample is a conversation with its own environment; None: single-turn.
+        self.environments = Environments.build(config.env, tokenizer, config.data.chat_template)
         self.sampler = PromptSampler(train_records, seed=config.train.seed)
         # The one source of this rank's process groups; the world (every training rank) is torch's default group.
         self.dp_group, self.pp_group = engine.groups.dp, engine.groups.pp
@@ -308,9 +315,11 @@ class Trainer:
         for _ in range(rollout.max_sampling_rounds):
             if self.remote_rollouts is None:
                 records = self.sampler.next_batch(quota * self.dp_size)[self.dp_rank * quota:(self.dp_rank + 1) * quota]
-                samples, scores = self._sample(records)
+                samples, scores, env_metrics = self._sample(records)
             else:
-                records, samples, scores = self.remote_rollouts.take(self.sampler, self.step, self.dp_rank, quota)
+                records, samples, scores, env_metrics = self.remote_rollouts.take(self.sampler, self.step,
+                                                                                  self.dp_rank, quota)
+            tally.env_sums = sum_metrics([tally.env_sums, *env_metrics])
             rewards = self._shape_rewards(samples, scores, tally)
             advantages = group_relative_advantages(rewards, group_size, eps=self.config.rl.advantage_eps)
             keep = dynamic_sampling_keep_mask(rewards, group_size) if rollout.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
@@ -328,45 +337,35 @@ class Trainer:
         self._check_reward_health(metrics["rollout/reward_failure_frac"], tally.first_failure)
         return self._to_train_batch(chosen), metrics
 
-    def _sample(self, records: list[PromptRecord]) -> tuple[Samples, RewardScores]:
-        """This rank's samples of ``records`` and their rewards. The CP ranks of a data-parallel rank share
-        its records: each generates and scores its own 1/CP of them, as a generation replica of its own
-        (decoding does not split sequences), and they exchange the samples."""
+    def _sample(self, records: list[PromptRecord]) -> tuple[Samples, RewardScores, list[dict[str, float]]]:
+        """This rank's samples of ``records``, their rewards and (multi-turn) each one's env/* counts. The CP ranks of a data-parallel rank share its records: each generates and
+        scores its own 1/CP of them, as a generation replica of its own (decoding does not split
+        sequences), and they exchange the samples."""
         rollout, cp = self.config.rollout, self.engine.groups.cp
         share = len(records) // cp.size()
         mine = slice(cp.rank() * share, (cp.rank() + 1) * share)
         group_rows = slice(mine.start * rollout.group_size, mine.stop * rollout.group_size)
         records = records[mine]
-        prompts = [prompt_token_ids(self.tokenizer, r) for r in records for _ in range(rollout.group_size)]
-        samples = generate(
-            self.engine.module, prompts, rollout, stop_ids=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
-            keys=self._sample_keys(share * cp.size())[group_rows], lockstep_group=self.engine.groups.dp_cp,
-            progress=self.rollout_progress, interrupt=self._abandon_if_stopped,
-        )
-        texts = [response_text(self.tokenizer, samples, row) for row in range(len(prompts))]
         repeated = [r for r in records for _ in range(rollout.group_size)]
-        try:
-            scores = score_responses(self.reward_fn, texts, repeated, self.config.rl.failure_reward,
-                                     timeout_s=self.config.rl.reward_timeout_s, interrupted=self._stop_pending)
-        finally:
-            # Every rank agrees here, after scoring: a SIGTERM that stopped one rank's scoring abandons
-            # the step on all of them (ScoringInterrupted gives way to StepAbandoned).
-            self._abandon_if_stopped()
+        samples, scores, env_metrics = sample_and_score(
+            self.engine.module, repeated, rollout, tokenizer=self.tokenizer,
+            keys=self._sample_keys(share * cp.size())[group_rows], scoring=self.scoring,
+            environments=self.environments, lockstep_group=self.engine.groups.dp_cp, progress=self.rollout_progress,
+            interrupt=self._abandon_if_stopped,
+        )
         if cp.size() > 1:
-            samples, scores = self._gather_over_cp(samples, scores)
-        return samples, scores
+            samples, scores, env_metrics = self._gather_over_cp(samples, scores, env_metrics)
+        return samples, scores, env_metrics
 
-    def _gather_over_cp(self, samples: Samples, scores: RewardScores) -> tuple[Samples, RewardScores]:
-        """Every CP rank's samples and rewards of the data-parallel rank's records, in CP rank order."""
+    def _gather_over_cp(self, samples: Samples, scores: RewardScores, env_metrics: list[dict[str, float]]
+                        ) -> tuple[Samples, RewardScores, list[dict[str, float]]]:
+        """Every CP rank's samples, rewards and env/* counts of the data-parallel rank's records, in CP rank order."""
         cp = self.engine.groups.cp
         parts: list = [None] * cp.size()
-        dist.all_gather_object(parts, (samples.to("cpu"), scores), group=cp)
-        gathered = concat_samples([part for part, _ in parts], self.tokenizer.pad_id).to(self.engine.device)
-        return gathered, RewardScores(
-            rewards=[reward for _, part in parts for reward in part.rewards],
-            num_failures=sum(part.num_failures for _, part in parts),
-            first_failure=next((part.first_failure for _, part in parts if part.first_failure), ""),
-        )
+        dist.all_gather_object(parts, (samples.to("cpu"), scores, env_metrics), group=cp)
+        gathered = concat_samples([part for part, _, _ in parts], self.tokenizer.pad_id).to(self.engine.device)
+        return (gathered, RewardScores.concat([part for _, part, _ in parts]),
+                [counts for _, _, part in parts for counts in part])
 
     def _shape_rewards(self, samples: Samples, scores: RewardScores, tally: RolloutTally) -> torch.Tensor:
         """The rewards with overlong shaping, counted in ``tally``."""
@@ -418,7 +417,8 @@ class Trainer:
          adv_sum, adv_abs, n_adv) = local.tolist()
         max_length = self._all_reduce(float(lengths.max()), dist.ReduceOp.MAX)
         mean = reward_sum / n
-        return {
+        env_metrics = self._env_metrics(tally, n) if self.environments is not None else {}
+        return {**env_metrics,
             "rollout/reward_mean": mean,
             "rollout/reward_std": max(reward_sq / n - mean ** 2, 0.0) ** 0.5,
             "rollout/accuracy": correct / n,
@@ -431,6 +431,14 @@ class Trainer:
             "advantage/mean": adv_sum / n_adv,
             "advantage/abs_mean": adv_abs / n_adv,
         }
+
+    def _env_metrics(self, tally: RolloutTally, num_samples: float) -> dict[str, float]:
+        """env/*: each of the step's conversation sums over the data-parallel ranks, per sample (the
+        environments' own counts have names only they know: the ranks exchange them by name)."""
+        parts: list = [None] * self.dp_size
+        dist.all_gather_object(parts, tally.env_sums, group=self.dp_group)
+        totals = sum_metrics(parts)
+        return {name: value / num_samples for name, value in sorted(totals.items())}
 
     def _check_reward_health(self, failure_frac: float, first_failure: str) -> None:
         """Stop when the verifier failed on too many of the step's samples. The fraction is reduced
@@ -633,10 +641,9 @@ class Trainer:
         """The held-out metrics of the eval section (megacispo.evaluation.evaluator): greedy accuracy, pass@k and
         mean@k; empty without data.test_prompts."""
         config = self.config
-        return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.reward_fn, self.dp_group,
-                         settings=config.eval, rollout=config.rollout, seed=config.train.seed,
-                         failure_reward=config.rl.failure_reward, reward_timeout_s=config.rl.reward_timeout_s,
-                         interrupt=self._abandon_if_stopped, stop_pending=self._stop_pending).run()
+        return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.dp_group, settings=config.eval,
+                         rollout=config.rollout, seed=config.train.seed, scoring=self.scoring,
+                         environments=self.environments, interrupt=self._abandon_if_stopped).run()
 
     def _log_evaluation(self, extra: dict[str, float] | None = None) -> float:
         """Evaluate and log the metrics, with ``extra``, at this step; the greedy accuracy (NaN without it,

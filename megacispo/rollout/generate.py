@@ -31,6 +31,14 @@ same samples come out at any ``max_running`` and ``host_check_every``, in any or
 parallelism the model gathers the vocabulary shards of the last position's logits, so every rank of
 the TP group sees the full distribution and draws the same token.
 
+Multi-turn (``conversations``, megacispo.envs.turns): a turn that ends at a stop id goes to its
+sample's environment at the next look, and its row waits with its state held (``InferenceCache.live_rows``:
+a decode step leaves the row's lightning states and RoPE position as they are and masks its new KV
+position), while the other rows decode. When the reply comes, it is prefilled into the row after the
+turn's last token, from the held state (``HybridModel.extend``: nothing before it is recomputed), and
+the row decodes the next turn from the reply's last logits. A response is every turn's tokens and
+every reply's, in the order they were sampled and fed; the loss mask covers the sampled ones.
+
 Generation runs in rollout.dtype (``HybridModel.generation_dtype``: a copy of the weights in that
 precision for the rollout, the LM head in fp32 with model.fp32_lm_head), and the log-probs it
 reports are those of that computation, as an inference engine's are. Every routing records the
@@ -49,6 +57,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megacispo.data.padding import right_padding_mask
+from megacispo.envs.turns import Conversations
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.routing import route_dtype
 from megacispo.rollout.config import RolloutConfig
@@ -68,11 +77,11 @@ class Samples:
     prompt_lengths: torch.Tensor
     """[n] tokens of each prompt (BOS included)."""
     response_lengths: torch.Tensor
-    """[n] generated tokens of each sample (its EOS included)."""
+    """[n] tokens after each prompt (its EOS included; multi-turn, every turn's and reply's)."""
     rollout_logprobs: torch.Tensor
     """[n, S - 1] log-prob of each response token under the sampling policy; 0 elsewhere."""
     loss_mask: torch.Tensor
-    """[n, S - 1] 1.0 where token t + 1 is a response token."""
+    """[n, S - 1] 1.0 where token t + 1 is a response token the model sampled (not an environment's reply)."""
     truncated_early: torch.Tensor
     """[n] bool: stopped by early truncation (N consecutive tokens above probability p)."""
     routes: torch.Tensor
@@ -245,6 +254,7 @@ def generate(
     lockstep_group: dist.ProcessGroup | None = None,
     progress: tqdm | None = None,
     interrupt: Callable[[], None] | None = None,
+    conversations: Conversations | None = None,
 ) -> Samples:
     """Sample one response per prompt (repeat a prompt G times for a group), in prompt order.
 
@@ -261,6 +271,10 @@ def generate(
     raises abandons the rollout (the trainer's SIGTERM check).
     ``progress``: a bar the finished samples are counted on, its total grown by ``len(prompts)``
     (the caller owns it: one per RL step on the logging rank); None draws nothing.
+    ``conversations``: multi-turn samples (megacispo.envs.turns): a turn that ends at a stop id goes
+    to the sample's environment, and its reply is prefilled into the sample's slot, which then decodes
+    the next turn; ``rollout.max_new_tokens`` and ``response_limits`` cap the whole response (every
+    turn's tokens and every reply's), and the loss mask covers the sampled tokens only.
     """
     if keys.shape != (len(prompts),):
         raise ValueError(f"keys has shape {tuple(keys.shape)}: pass one key per prompt, [{len(prompts)}]")
@@ -275,7 +289,7 @@ def generate(
     model.eval()
     try:
         with model.generation_dtype(config.torch_dtype(keys.is_cuda)), model.recording_routes():
-            engine = _SlotRollout(model, prompts, config, stop_ids, pad_id, keys, limits, lockstep_group)
+            engine = _SlotRollout(model, prompts, config, stop_ids, pad_id, keys, limits, lockstep_group, conversations)
             return engine.run(progress, interrupt)
     finally:
         model.train(was_training)
@@ -305,9 +319,10 @@ class _SlotRollout:
     """
 
     def __init__(self, model, prompts, config: RolloutConfig, stop_ids, pad_id: int, keys: torch.Tensor,
-                 limits: list[int], lockstep_group) -> None:
+                 limits: list[int], lockstep_group, conversations: Conversations | None = None) -> None:
         self.model, self.prompts, self.config, self.pad_id = model, prompts, config, pad_id
         self.keys, self.limits, self.group = keys, limits, lockstep_group
+        self.conversations = conversations
         self.device = keys.device
         self.num_samples = len(prompts)
         self.slots = min(config.max_running or self.num_samples, self.num_samples)
@@ -315,12 +330,15 @@ class _SlotRollout:
         self.capacity = slot_capacity(self.prompt_width + max(limits))
         _check_device_fits(model, self.slots, self.prompt_width + max(limits), self.device)
         self.stop_ids = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
+        self.stop_id_set = frozenset(stop_ids)
         # Row num_samples is scratch: idle rows write their draws there.
         self.responses = torch.full((self.num_samples + 1, config.max_new_tokens), pad_id, dtype=torch.long,
                                     device=self.device)
         self.response_logprobs = torch.zeros(0, device=self.device)  # the logits' precision, once known
         self.response_lengths = torch.zeros(self.num_samples + 1, dtype=torch.long, device=self.device)
         self.truncated = torch.zeros(self.num_samples + 1, dtype=torch.bool, device=self.device)
+        # Multi-turn: True at the response tokens the model sampled (the rest are environment replies).
+        self.sampled = None if conversations is None else torch.zeros_like(self.responses, dtype=torch.bool)
         hybrid = model.hybrid_config
         # Row num_samples is scratch here too; a sample's tokens sit at positions 0 .. prompt + response.
         self.routes = torch.zeros(
@@ -331,6 +349,9 @@ class _SlotRollout:
         self.row_drawn: list[int] = []
         self.row_steps: list[int] = []
         self.row_start: list[int] = []
+        # Multi-turn: whether a row's sample waits for its environment, and where its current turn began.
+        self.row_waiting: list[bool] = []
+        self.row_turn_start: list[int] = []
         self.decode_steps = 0
         self.host_checks = 0
 
@@ -342,6 +363,7 @@ class _SlotRollout:
                                              dtype=torch.promote_types(logits.dtype, torch.float32), device=self.device)
         cache.reserve(self.capacity - cache.length)
         self.row_sample, self.row_drawn, self.row_steps = first, [0] * len(first), [0] * len(first)
+        self.row_waiting, self.row_turn_start = [False] * len(first), [0] * len(first)
         self.row_start = [cache.length - len(self.prompts[s]) for s in first]
         self._sync_rows()
         self.confident_run = torch.zeros(len(first), dtype=torch.long, device=self.device)
@@ -350,13 +372,16 @@ class _SlotRollout:
             if interrupt is not None:
                 interrupt()
             tokens = self._draw(logits)
+            replies, extend_rounds = [], 0
             if self._host_looks():
                 self._free_finished(progress)
+                replies = self._take_replies(progress)
                 refills = self._assign_waiting()
-                any_refill, any_running = self._agree(bool(refills), any(s >= 0 for s in self.row_sample))
+                any_refill, any_running, extend_rounds = self._agree(
+                    bool(refills), any(s >= 0 for s in self.row_sample), len(replies))
                 if not any_running:
                     break
-                if not self.waiting and not refills:
+                if not self.waiting and not refills and not replies:
                     cache, tokens = self._shrink(cache, tokens)
                 if self.rows_changed:
                     self._sync_rows()
@@ -365,11 +390,15 @@ class _SlotRollout:
             if cache.length + 2 > self.capacity:
                 self._drop_unused(cache)
             step_tokens = torch.where(self.row_live_t, tokens, self.pad_id)
+            if self.conversations is not None:
+                cache.live_rows = self.row_live_t  # rows waiting for a reply keep their state
             logits, cache = self.model.decode_step(step_tokens, cache, compiled=self.config.compile_decode)
             self.decode_steps += 1
             self._record_step_routes()
             if any_refill:
                 self._refill(refills, logits, cache)
+            if extend_rounds:
+                self._feed_replies(replies, extend_rounds, logits, cache)
         return self._samples()
 
     def _prefill(self, samples: list[int], width: int):
@@ -397,7 +426,8 @@ class _SlotRollout:
         """The per-row device tensors from the host's bookkeeping (after rows finished or were refilled)."""
         sample = [s if s >= 0 else self.num_samples for s in self.row_sample]
         self.row_sample_t = torch.tensor(sample, dtype=torch.long, device=self.device)
-        self.row_live_t = torch.tensor([s >= 0 for s in self.row_sample], dtype=torch.bool, device=self.device)
+        self.row_live_t = torch.tensor([s >= 0 and not waiting for s, waiting in zip(self.row_sample, self.row_waiting)],
+                                       dtype=torch.bool, device=self.device)
         self.row_drawn_t = torch.tensor(self.row_drawn, dtype=torch.long, device=self.device)
         self.row_limit_t = torch.tensor([self.limits[s] if s >= 0 else 1 for s in self.row_sample],
                                         dtype=torch.long, device=self.device)
@@ -418,6 +448,8 @@ class _SlotRollout:
         column = self.row_drawn_t.clamp(max=config.max_new_tokens - 1)
         self.responses[target, column] = tokens
         self.response_logprobs[target, column] = logprobs.to(self.response_logprobs.dtype)
+        if self.sampled is not None:
+            self.sampled[target, column] = True
         stop = torch.isin(tokens, self.stop_ids) | (self.row_drawn_t + 1 >= self.row_limit_t)
         truncate = torch.zeros_like(stop)
         if config.early_truncation_tokens > 0:
@@ -430,7 +462,8 @@ class _SlotRollout:
         self.response_lengths[ended] = self.row_drawn_t
         self.truncated[ended] = truncate
         self.row_live_t = live & ~ends
-        self.row_steps = [steps + 1 if sample >= 0 else steps for steps, sample in zip(self.row_steps, self.row_sample)]
+        self.row_steps = [steps + 1 if sample >= 0 and not waiting else steps
+                          for steps, sample, waiting in zip(self.row_steps, self.row_sample, self.row_waiting)]
         return tokens
 
     def _host_looks(self) -> bool:
@@ -439,19 +472,100 @@ class _SlotRollout:
         sample's length limit (it has ended, then or before). The ranks of a lockstep group look at
         the same steps only, since they agree (a collective) when they look."""
         every = self.config.steps_between_looks(self.device.type == "cuda")
-        at_limit = any(s >= 0 and steps >= self.limits[s] for s, steps in zip(self.row_sample, self.row_steps))
+        at_limit = any(s >= 0 and not waiting and steps >= self.limits[s]
+                       for s, steps, waiting in zip(self.row_sample, self.row_steps, self.row_waiting))
         return self.group is None and at_limit or (self.decode_steps + 1) % every == 0
 
     def _free_finished(self, progress: tqdm) -> None:
-        """One copy of the rows' live flags and token counts to the host; frees the rows whose sample ended."""
+        """One copy of the rows' live flags and token counts to the host; frees the rows whose sample ended.
+        Multi-turn, a turn that ended at a stop id goes to the sample's environment (one more copy: the
+        ended turns' tokens), and its row waits for the reply; a sample at its length limit or truncated
+        early is over."""
         self.host_checks += 1
         live, drawn = torch.stack([self.row_live_t.long(), self.row_drawn_t]).tolist()
         self.row_drawn = drawn
-        for row, sample in enumerate(self.row_sample):
-            if sample >= 0 and not live[row]:
-                self.row_sample[row] = -1
-                self.rows_changed = True
-                progress.update(1)
+        ended = [row for row, sample in enumerate(self.row_sample)
+                 if sample >= 0 and not live[row] and not self.row_waiting[row]]
+        if self.conversations is None:
+            for row in ended:
+                self._free(row, progress)
+            return
+        if not ended:
+            return
+        samples = torch.tensor([self.row_sample[row] for row in ended], device=self.device)
+        turns = torch.cat([self.responses[samples], self.truncated[samples, None].long()], dim=1).tolist()
+        for row, values in zip(ended, turns):
+            sample, count = self.row_sample[row], drawn[row]
+            turn = values[self.row_turn_start[row]:count]
+            if values[-1] or count >= self.limits[sample] or turn[-1] not in self.stop_id_set:
+                self.conversations.end(sample, turn)
+                self._free(row, progress)
+            else:
+                self.conversations.submit(sample, turn)
+                self.row_waiting[row] = True
+
+    def _free(self, row: int, progress: tqdm) -> None:
+        self.row_sample[row] = -1
+        self.row_waiting[row] = False
+        self.rows_changed = True
+        progress.update(1)
+
+    def _take_replies(self, progress: tqdm) -> list[tuple[int, int, list[int]]]:
+        """Multi-turn: the environments' replies that came in: [(row, sample, ids to feed)], fed after the
+        next decode step; a row whose conversation is over is freed. When no row decodes and nothing
+        waits to be refilled (outside a lockstep group, whose ranks step together), waits for a reply
+        instead of stepping idle rows."""
+        if self.conversations is None:
+            return []
+        row_of = {sample: row for row, sample in enumerate(self.row_sample) if sample >= 0}
+        answered = self.conversations.replies()
+        while not answered and self.group is None and self.conversations.pending and not self.waiting \
+                and not any(s >= 0 and not w for s, w in zip(self.row_sample, self.row_waiting)):
+            answered = self.conversations.wait_any()
+        replies = []
+        for sample, ids in answered:
+            row = row_of[sample]
+            # The reply and at least one more sampled token must fit the sample's length limit.
+            if ids is not None and self.row_drawn[row] + len(ids) + 1 > self.limits[sample]:
+                self.conversations.shorten(sample, len(ids))
+                ids = None
+            if ids is None:
+                self._free(row, progress)
+            else:
+                replies.append((row, sample, ids))
+        return replies
+
+    def _feed_replies(self, replies: list[tuple[int, int, list[int]]], rounds: int, logits: torch.Tensor,
+                      cache) -> None:
+        """Prefill each reply into its row's cache after the turn's last sampled token (not yet fed), from
+        the row's held state, and let the row decode its next turn from the reply's last logits; a rank of
+        a lockstep group runs a one-token dummy prefill for each of the group's ``rounds`` it has no reply for."""
+        for row, sample, ids in replies:
+            drawn = self.row_drawn[row]
+            span = cache.length - self.row_start[row]
+            fed = torch.tensor([0, *ids], dtype=torch.long, device=self.device)
+            fed[0] = self.responses[sample, drawn - 1]  # the turn's last token, drawn but not fed yet
+            # The row's sequence grows by len(fed) positions at the newest end: room for it at the front.
+            room = len(fed) - self.row_start[row]
+            if room > 0:
+                cache.pad_front(room)
+                self.row_start = [start + room for start in self.row_start]
+            index = torch.tensor([row], dtype=torch.long, device=self.device)
+            logits[index] = self.model.extend(cache, index, fed).to(logits.dtype)
+            prompt = len(self.prompts[sample])
+            routes = self.model.last_routes(1, len(fed)).to(self.routes.dtype)[0]
+            self.routes[sample, prompt + drawn - 1:prompt + drawn - 1 + len(fed)] = routes
+            self.responses[sample, drawn:drawn + len(ids)] = fed[1:]
+            self.row_live_t[index] = True
+            self.row_drawn_t[index] = drawn + len(ids)
+            self.confident_run[index] = 0
+            self.row_drawn[row] += len(ids)
+            self.row_steps[row] += len(ids)
+            self.row_turn_start[row] = self.row_drawn[row]
+            self.row_waiting[row] = False
+            self.row_start[row] = cache.length - span - len(fed)
+        for _ in range(rounds - len(replies)):
+            self.model.prefill(torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device))
 
     def _assign_waiting(self) -> list[tuple[int, int]]:
         """Give free rows the next waiting samples: [(row, sample)], refilled after the next decode step."""
@@ -461,17 +575,19 @@ class _SlotRollout:
                 refills.append((row, self.waiting.popleft()))
         for row, sample in refills:
             self.row_sample[row], self.row_drawn[row], self.row_steps[row] = sample, 0, 0
+            self.row_waiting[row], self.row_turn_start[row] = False, 0
             self.rows_changed = True
         return refills
 
-    def _agree(self, refill: bool, running: bool) -> tuple[bool, bool]:
-        """(whether any rank of the lockstep group refills now, whether any still decodes): one all-reduce."""
+    def _agree(self, refill: bool, running: bool, replies: int) -> tuple[bool, bool, int]:
+        """(whether any rank of the lockstep group refills now, whether any still decodes or waits for an
+        environment, the most replies any feeds now): one all-reduce."""
         if self.group is None:
-            return refill, running
-        flags = torch.tensor([int(refill), int(running)], device=self.device)
+            return refill, running, replies
+        flags = torch.tensor([int(refill), int(running), replies], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        any_refill, any_running = flags.tolist()
-        return bool(any_refill), bool(any_running)
+        any_refill, any_running, most_replies = flags.tolist()
+        return bool(any_refill), bool(any_running), most_replies
 
     def _refill(self, refills: list[tuple[int, int]], logits: torch.Tensor, cache) -> None:
         """Prefill the refilled rows' prompts alone and write them into their rows of ``cache`` and of
@@ -502,6 +618,8 @@ class _SlotRollout:
         self.row_drawn = [self.row_drawn[row] for row in live]
         self.row_steps = [self.row_steps[row] for row in live]
         self.row_start = [self.row_start[row] for row in live]
+        self.row_waiting = [self.row_waiting[row] for row in live]
+        self.row_turn_start = [self.row_turn_start[row] for row in live]
         self.confident_run = self.confident_run[index]
         self.rows_changed = True
         return cache.select(index), tokens[index]
@@ -516,13 +634,16 @@ class _SlotRollout:
 
     def _samples(self) -> Samples:
         lengths = self.response_lengths[: self.num_samples]
+        sampled = None if self.sampled is None else self.sampled[: self.num_samples]
         return _assemble(self.prompts, self.responses[: self.num_samples], self.response_logprobs[: self.num_samples],
                          lengths.tolist(), lengths, self.truncated[: self.num_samples], self.pad_id,
-                         self.routes[: self.num_samples])
+                         self.routes[: self.num_samples], sampled)
 
 
 def _assemble(prompts, responses, response_logprobs, lengths: list[int], response_lengths, truncated,
-              pad_id, routes: torch.Tensor) -> Samples:
+              pad_id, routes: torch.Tensor, sampled: torch.Tensor | None = None) -> Samples:
+    """The samples, right-padded; ``sampled`` [n, max_new_tokens] bool marks the response tokens the
+    loss covers (multi-turn: not the environments' replies); None: all of them."""
     device = responses.device
     width = max(len(prompt) + r for prompt, r in zip(prompts, lengths))
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
@@ -534,7 +655,7 @@ def _assemble(prompts, responses, response_logprobs, lengths: list[int], respons
         tokens[row, p:p + r] = responses[row, :r]
         # Response token p + i is predicted at position p + i - 1.
         rollout_logprobs[row, p - 1:p - 1 + r] = response_logprobs[row, :r]
-        loss_mask[row, p - 1:p - 1 + r] = 1.0
+        loss_mask[row, p - 1:p - 1 + r] = 1.0 if sampled is None else sampled[row, :r].to(loss_mask.dtype)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
     return Samples(tokens, prompt_lengths, response_lengths, rollout_logprobs, loss_mask, truncated,
                    routes[:, :width].contiguous())

@@ -22,7 +22,9 @@ round's (seed, sampler epoch, sampler position) and its place in the global batc
 not depend on the number of rollout processes.
 
 Rewards are computed on the rollout processes: they hold the text, and the verifier's time then
-overlaps training as generation does.
+overlaps training as generation does. With env.name the rollout processes run the conversations
+(``sample_and_score``, as colocated rollouts), their environments on the rollout processes' worker
+threads; each sample's env/* counts travel with it.
 
 With rl.old_logprobs = recompute, the old log-probs are the training engine's at its current weights
 (version s) before the step's first update, not those of the weights that generated the round
@@ -42,11 +44,11 @@ import torch.distributed as dist
 
 from megacispo.config import Config
 from megacispo.data.padding import pad_right
-from megacispo.data.prompts import PromptRecord, PromptSampler, prompt_token_ids
-from megacispo.data.rewards import RewardScores, get_reward_fn, score_responses
-from megacispo.evaluation.evaluator import response_text
+from megacispo.data.prompts import PromptRecord, PromptSampler
+from megacispo.data.rewards import RewardScores, get_reward_fn
 from megacispo.parallel.layout import ParallelConfig, destroy_distributed, init_distributed
-from megacispo.rollout.generate import Samples, generate, sample_keys
+from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
+from megacispo.rollout.generate import Samples, sample_keys
 from megacispo.rollout.placement import Bridge, RolloutProcessLost, Side
 from megacispo.rollout.weight_sync import WeightsHeader, publish_weights, receive_weights
 from megacispo.training.engine import build_inference_model
@@ -70,10 +72,10 @@ class RoundShare:
     """The training step whose weights generated it."""
     samples: Samples
     """G samples of each prompt of the share, prompt-major, on the host."""
-    rewards: list[float]
-    """One per sample."""
-    failures: list[str]
-    """Per sample: why the verifier failed (empty when it did not)."""
+    scores: RewardScores
+    """Their rewards."""
+    env_metrics: list[dict[str, float]]
+    """Multi-turn: each sample's env/* counts (empty single-turn)."""
 
 
 @dataclass
@@ -98,7 +100,8 @@ def run_rollout_process(config: Config, tokenizer, bridge: Bridge) -> None:
 
 def _serve(config: Config, tokenizer, bridge: Bridge, model) -> None:
     """Weights into ``model``, rounds generated with the last weights received, until StopRollouts."""
-    reward_fn = get_reward_fn(config.rl.reward)
+    scoring = Scoring(get_reward_fn(config.rl.reward), config.rl.failure_reward, config.rl.reward_timeout_s)
+    environments = Environments.build(config.env, tokenizer, config.data.chat_template)
     version = -1
     while True:
         message = bridge.broadcast_object()
@@ -106,28 +109,24 @@ def _serve(config: Config, tokenizer, bridge: Bridge, model) -> None:
             receive_weights(model, bridge, message)
             version = message.version
         elif isinstance(message, RoundRequest):
-            bridge.send_object(_generate_share(config, tokenizer, model, reward_fn, bridge, message, version))
+            share = _generate_share(config, tokenizer, model, scoring, environments, bridge, message, version)
+            bridge.send_object(share)
         else:
             break
     bridge.flush()
 
 
-def _generate_share(config: Config, tokenizer, model, reward_fn, bridge: Bridge, request: RoundRequest,
-                    version: int) -> RoundShare:
-
+def _generate_share(config: Config, tokenizer, model, scoring: Scoring, environments: Environments | None,
+                    bridge: Bridge, request: RoundRequest, version: int) -> RoundShare:
     group_size = config.rollout.group_size
     share = len(request.records) // bridge.num_rollout
     first = (bridge.rank - 1) * share
-    records = request.records[first:first + share]
-    prompts = [prompt_token_ids(tokenizer, record) for record in records for _ in range(group_size)]
-    samples = generate(model, prompts, config.rollout, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                       keys=sample_keys(request.stream, range(first, first + share), group_size, device=bridge.device))
-    repeated = [record for record in records for _ in range(group_size)]
-    # One sample at a time: the training ranks count the failures of their own rows.
-    scores = [score_responses(reward_fn, [response_text(tokenizer, samples, row)], [record], config.rl.failure_reward,
-                              timeout_s=config.rl.reward_timeout_s) for row, record in enumerate(repeated)]
-    failures = [s.first_failure if s.num_failures else "" for s in scores]
-    return RoundShare(version, samples.to("cpu"), [s.rewards[0] for s in scores], failures)
+    repeated = [record for record in request.records[first:first + share] for _ in range(group_size)]
+    samples, scores, env_metrics = sample_and_score(
+        model, repeated, config.rollout, tokenizer=tokenizer, scoring=scoring, environments=environments,
+        keys=sample_keys(request.stream, range(first, first + share), group_size, device=bridge.device),
+        lockstep_group=None)
+    return RoundShare(version, samples.to("cpu"), scores, env_metrics)
 
 
 # -- the training processes -------------------------------------------------------------------------
@@ -143,10 +142,10 @@ class Round:
     """The training step whose weights generated it."""
     samples: Samples
     """G samples of each prompt of the global batch, prompt-major, on the training device."""
-    rewards: list[float]
-    """One per sample."""
-    failures: list[str]
-    """Per sample: why the verifier failed (empty when it did not)."""
+    scores: RewardScores
+    """Their rewards."""
+    env_metrics: list[dict[str, float]]
+    """Multi-turn: each sample's env/* counts (empty single-turn)."""
 
 
 class RemoteRollouts:
@@ -182,9 +181,10 @@ class RemoteRollouts:
         self._sync_s += time.perf_counter() - start
 
     def take(self, sampler: PromptSampler, step: int, dp_rank: int, quota: int) -> tuple[
-            list[PromptRecord], Samples, RewardScores]:
+            list[PromptRecord], Samples, RewardScores, list[dict[str, float]]]:
         """This data-parallel rank's share (``quota`` prompts) of the next round within staleness, its
-        prompts drawn from the trainer's ``sampler`` as the round's were."""
+        prompts drawn from the trainer's ``sampler`` as the round's were: their samples, rewards and
+        (multi-turn) env/* counts."""
         group_size, max_staleness = self.config.rollout.group_size, self.config.rollout.max_staleness
         while True:
             round_ = self._next_round(step)
@@ -194,12 +194,11 @@ class RemoteRollouts:
             staleness = step - round_.version
             if staleness <= max_staleness:
                 break
-            self._dropped += len(round_.rewards)
+            self._dropped += len(round_.scores.rewards)
         self._staleness.append(staleness)
         rows = slice(dp_rank * quota * group_size, (dp_rank + 1) * quota * group_size)
-        failures = [text for text in round_.failures[rows] if text]
-        scores = RewardScores(round_.rewards[rows], len(failures), failures[0] if failures else "")
-        return records[dp_rank * quota:(dp_rank + 1) * quota], round_.samples.select(rows), scores
+        return (records[dp_rank * quota:(dp_rank + 1) * quota], round_.samples.select(rows),
+                round_.scores.select(rows), round_.env_metrics[rows])
 
     def finish_step(self) -> dict[str, float]:
         """After a step: its metrics (the staleness of the rounds it took, the samples dropped as too
@@ -258,7 +257,7 @@ class RemoteRollouts:
         versions = {share.version for share in shares}
         assert len(versions) == 1, "every rollout process answers the same messages in the same order"
         return Round(self.requested.pop(0), versions.pop(), concat_samples([s.samples for s in shares], self.pad_id),
-                     [r for s in shares for r in s.rewards], [f for s in shares for f in s.failures])
+                     RewardScores.concat([s.scores for s in shares]), [m for s in shares for m in s.env_metrics])
 
     def _receive_shares(self) -> list[RoundShare]:
         return [self.bridge.receive_object(rank) for rank in range(1, self.bridge.num_rollout + 1)]

@@ -40,6 +40,7 @@ def test_rounds_staler_than_max_staleness_are_dropped_and_counted():
     """Step 5 with max_staleness 1: a round of version 3 is dropped (its prompts consumed, as the
     lookahead drew them), the next one, of version 4, is taken: its rows of this data-parallel rank."""
     from megacispo.data.prompts import PromptRecord, PromptSampler
+    from megacispo.data.rewards import RewardScores
     from megacispo.rollout.placement import Side
     from megacispo.rollout.remote import RemoteRollouts, Round
     from megacispo.startup import run_config
@@ -53,10 +54,12 @@ def test_rounds_staler_than_max_staleness_are_dropped_and_counted():
     for version in (3, 4):
         stream = (config.train.seed, replay.epoch, replay.position)
         replay.next_batch(2)
-        rounds.append(Round(stream, version, _samples(4, 3, version), [1.0, 0.0, 1.0, 0.0], ["", "", "bad", ""]))
+        scores = RewardScores([1.0, 0.0, 1.0, 0.0], ("", "", "bad", ""))
+        env_metrics = [{"env/turns": float(version * 10 + row)} for row in range(4)]
+        rounds.append(Round(stream, version, _samples(4, 3, version), scores, env_metrics))
     remote._next_round = lambda step: rounds.pop(0)
-    chosen, samples, scores = remote.take(sampler, step=5, dp_rank=1, quota=1)
-    assert samples.tokens[:, 0].tolist() == [4, 4]
+    chosen, samples, scores, env_metrics = remote.take(sampler, step=5, dp_rank=1, quota=1)
+    assert samples.tokens[:, 0].tolist() == [4, 4] and env_metrics == [{"env/turns": 42.0}, {"env/turns": 43.0}]
     assert scores.rewards == [1.0, 0.0] and scores.num_failures == 1 and scores.first_failure == "bad"
     assert sampler.position == 4 and chosen == PromptSampler(records, seed=config.train.seed).next_batch(4)[3:4]
     metrics = remote.finish_step()

@@ -11,7 +11,6 @@ checkpoint's step, its dry run, and bad input stopping it before a model is buil
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import subprocess
 import sys
@@ -152,7 +151,7 @@ def _evaluate(overrides: list[str]) -> dict:
 def _legacy_greedy_accuracy(config, model, tokenizer, records) -> float:
     from megacispo.data.prompts import prompt_token_ids
     from megacispo.data.rewards import get_reward_fn, score_responses
-    from megacispo.evaluation.evaluator import response_text
+    from megacispo.rollout.episodes import response_text
     from megacispo.rollout.generate import generate, sample_keys
 
     greedy = type(config.rollout)(**{**vars(config.rollout), "temperature": 0.0})

@@ -1,0 +1,1 @@
+"""Environments that answer the model between its turns: multi-turn, tool-using rollouts."""

@@ -1,0 +1,314 @@
+"""The host side of a multi-turn rollout: one environment per sample, called on worker threads while
+the device decodes, so that a slow tool holds only its own sample's slot.
+
+The slot engine (megacispo.rollout.generate) hands a sample's finished model turn to ``submit``
+and takes ``replies`` whenever the host looks: for each conversation whose environment has answered,
+the ids to feed before the model's next turn (``ReplyRenderer.reply_ids``), or None when the
+conversation is over (the environment said done, ``env.max_turns`` is reached, or the sample failed).
+
+Every call (reset and step) has ``env.timeout_s``, counted from when it is handed to the workers. A
+call that raises, returns something malformed (``check_step``) or is late fails its sample: the
+sample's conversation ends there, its reward is rl.failure_reward and it counts with the reward
+failures. A late call's thread is abandoned (Python cannot stop a thread; it is a daemon, so it
+never holds the process's exit): an environment whose calls may hang should run them in a process it
+can kill, as the built-in python tool does (megacispo.envs.sandbox).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from megacispo.data.chat import ReplyRenderer
+from megacispo.data.prompts import PromptRecord
+from megacispo.data.rewards import RewardScores
+from megacispo.envs.base import EnvFactory, Environment, check_messages, check_step, make_environment
+from megacispo.envs.config import EnvConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EnvWorkers:
+    """``workers`` daemon threads that run calls handed to them; each result comes back with its tag."""
+
+    def __init__(self, workers: int):
+        self._calls: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._serve, daemon=True, name=f"env-worker-{i}")
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            tag, fn = call
+            started = time.monotonic()
+            try:
+                result, error = fn(), None
+            except Exception as raised:  # an environment's error is its sample's failure
+                result, error = None, f"raised {type(raised).__name__}: {raised}"
+            self._results.put((tag, result, error, time.monotonic() - started))
+
+    def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
+        self._calls.put((tag, fn))
+
+    def results(self, timeout_s: float = 0.0) -> list[tuple[Any, Any, str | None, float]]:
+        """The results ready now: (tag, result, error or None, seconds); waits up to ``timeout_s`` for a first."""
+        ready = []
+        try:
+            ready.append(self._results.get(timeout=timeout_s) if timeout_s > 0 else self._results.get_nowait())
+            while True:
+                ready.append(self._results.get_nowait())
+        except queue.Empty:
+            pass
+        return ready
+
+    def close(self) -> None:
+        """Stop the threads once their current calls return (a hung call's thread stays, a daemon)."""
+        for _ in self._threads:
+            self._calls.put(None)
+
+
+@dataclass
+class Conversation:
+    """One sample's conversation as the host follows it."""
+
+    record: PromptRecord
+    env: Environment | None = None
+    turns: int = 0
+    """Model turns handed to the environment."""
+    reward: float = 0.0
+    """The environment's turn rewards, summed."""
+    failure: str = ""
+    """Why the environment failed this sample (empty: it did not)."""
+    timed_out: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The environment's counts, summed over its turns."""
+    env_seconds: float = 0.0
+    """Time its environment calls took, from hand-over to answer."""
+    fed_tokens: int = 0
+    """Reply tokens fed to the model."""
+    last_turn: str = ""
+    """The text of the model's last turn (rl.reward scores it)."""
+    done: bool = False
+
+
+class Conversations:
+    """The conversations of one rollout's samples (``records``, one per sample, a group's repeated)."""
+
+    def __init__(self, config: EnvConfig, factory: EnvFactory, renderer: ReplyRenderer, records: Sequence[PromptRecord],
+                 workers: EnvWorkers):
+        self.config, self.factory, self.renderer, self.workers = config, factory, renderer, workers
+        self.conversations = [Conversation(record) for record in records]
+        self._deadlines: dict[int, float] = {}
+        self._submitted: dict[int, float] = {}
+        self._last_ids: dict[int, int] = {}
+
+    # -- the first prompts -----------------------------------------------------------------------
+
+    def prompts(self, prompt_ids: Callable[[PromptRecord], list[int]]) -> list[list[int]]:
+        """Each sample's first prompt: its environment made and reset (on the workers, all at once), the
+        messages reset returns rendered, or the record's own prompt ids (``prompt_ids``) when it returns
+        None. A sample whose environment fails here keeps the record's prompt and ends after its first turn."""
+        def reset(sample: int) -> Any:
+            env = make_environment(self.factory, self.config.params, self.config.name)
+            messages = env.reset(self.conversations[sample].record)
+            return env, None if messages is None else check_messages(messages, "reset()")
+
+        for sample in range(len(self.conversations)):
+            self._hand_over(sample, lambda sample=sample: reset(sample))
+        prompts: list[list[int] | None] = [None] * len(self.conversations)
+        for sample, result in self._wait_all():
+            conversation = self.conversations[sample]
+            if result is not None:
+                conversation.env, messages = result
+                if messages is not None:
+                    prompts[sample] = self.renderer.prompt_ids(messages)
+        return [ids if ids is not None else prompt_ids(c.record) for ids, c in zip(prompts, self.conversations)]
+
+    # -- model turns -----------------------------------------------------------------------------
+
+    def submit(self, sample: int, turn_ids: list[int]) -> None:
+        """The model's turn ``turn_ids`` of ``sample`` ended at a stop id or tool tag: its environment answers."""
+        conversation = self.conversations[sample]
+        conversation.turns += 1
+        conversation.last_turn = self.renderer.tokenizer.decode(turn_ids)
+        self._last_ids[sample] = turn_ids[-1]
+        if conversation.env is None or conversation.failure:
+            self.end(sample)
+            return
+        env, text = conversation.env, conversation.last_turn
+        self._hand_over(sample, lambda: check_step(env.step(text)))
+
+    def end(self, sample: int, last_turn_ids: list[int] | None = None) -> None:
+        """The conversation of ``sample`` ends without the environment (its length limit, early truncation)."""
+        conversation = self.conversations[sample]
+        if last_turn_ids is not None:
+            conversation.turns += 1
+            conversation.last_turn = self.renderer.tokenizer.decode(last_turn_ids)
+        conversation.done = True
+
+    @property
+    def pending(self) -> int:
+        """Environment calls handed over and not yet answered (nor timed out)."""
+        return len(self._deadlines)
+
+    def replies(self, wait_s: float = 0.0) -> list[tuple[int, list[int] | None]]:
+        """The conversations the environment has answered since the last call: (sample, the ids to feed
+        before the model's next turn, or None: the conversation is over). Waits up to ``wait_s`` for one."""
+        answered = []
+        for sample, step in self._collect(wait_s):
+            conversation = self.conversations[sample]
+            if step is None or step.done or conversation.turns >= self.config.max_turns:
+                conversation.done = True
+                answered.append((sample, None))
+                continue
+            try:
+                ids = self.renderer.reply_ids(step.messages, self._last_ids[sample])
+            except ValueError as error:
+                self._fail(sample, str(error))
+                answered.append((sample, None))
+                continue
+            conversation.fed_tokens += len(ids)
+            answered.append((sample, ids))
+        return answered
+
+    def wait_any(self) -> list[tuple[int, list[int] | None]]:
+        """``replies``, waiting for the first one for as long as the earliest pending call may take."""
+        if not self._deadlines:
+            return []
+        return self.replies(wait_s=max(0.0, min(self._deadlines.values()) - time.monotonic()) + 0.01)
+
+    def shorten(self, sample: int, fed: int) -> None:
+        """The reply of ``sample`` did not fit its length limit: none of its ``fed`` ids was fed; it is over."""
+        conversation = self.conversations[sample]
+        conversation.fed_tokens -= fed
+        conversation.done = True
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def rewards(self) -> list[float | None]:
+        """Each sample's environment reward; None where the environment failed it."""
+        return [None if c.failure else c.reward for c in self.conversations]
+
+    def final_texts(self) -> list[str]:
+        return [c.last_turn for c in self.conversations]
+
+    def failures(self) -> list[str]:
+        return [c.failure for c in self.conversations]
+
+    def sample_metrics(self) -> list[dict[str, float]]:
+        """Each sample's env/* counts (``sum_metrics`` adds them up; the trainer divides by the samples)."""
+        per_sample = []
+        for c in self.conversations:
+            counts = {"env/turns": float(c.turns), "env/failures": float(bool(c.failure)),
+                      "env/timeouts": float(c.timed_out), "env/time_s": c.env_seconds,
+                      "env/fed_tokens": float(c.fed_tokens)}
+            counts.update((f"env/{name}", float(value)) for name, value in c.metrics.items())
+            per_sample.append(counts)
+        return per_sample
+
+    # -- the calls -------------------------------------------------------------------------------
+
+    def _hand_over(self, sample: int, fn: Callable[[], Any]) -> None:
+        now = time.monotonic()
+        self._submitted[sample] = now
+        self._deadlines[sample] = now + self.config.timeout_s
+        self.workers.submit((id(self), sample, now), fn)
+
+    def _collect(self, wait_s: float) -> list[tuple[int, Any]]:
+        """(sample, result or None on failure) of the calls answered or late now."""
+        done = []
+        for (owner, sample, submitted), result, error, _ in self.workers.results(wait_s if self._deadlines else 0.0):
+            # A late call's answer (its sample already failed) or another rollout's is dropped.
+            if owner != id(self) or self._submitted.get(sample) != submitted or sample not in self._deadlines:
+                continue
+            del self._deadlines[sample]
+            conversation = self.conversations[sample]
+            conversation.env_seconds += time.monotonic() - submitted
+            if error is not None:
+                self._fail(sample, error)
+                done.append((sample, None))
+                continue
+            if hasattr(result, "reward"):
+                conversation.reward += result.reward
+                for name, value in result.metrics.items():
+                    conversation.metrics[name] = conversation.metrics.get(name, 0.0) + value
+            done.append((sample, result))
+        now = time.monotonic()
+        for sample, deadline in list(self._deadlines.items()):
+            if now >= deadline:
+                del self._deadlines[sample]
+                conversation = self.conversations[sample]
+                conversation.timed_out = True
+                conversation.env_seconds += self.config.timeout_s
+                self._fail(sample, f"took over env.timeout_s = {self.config.timeout_s:g} s")
+                done.append((sample, None))
+        return done
+
+    def _wait_all(self) -> list[tuple[int, Any]]:
+        """Every pending call's (sample, result or None), each within its timeout."""
+        done = []
+        while self._deadlines:
+            done += self._collect(max(0.0, min(self._deadlines.values()) - time.monotonic()) + 0.01)
+        return done
+
+    def _fail(self, sample: int, why: str) -> None:
+        conversation = self.conversations[sample]
+        conversation.failure = conversation.failure or f"environment {self.config.name!r} {why}"
+        conversation.done = True
+        logger.warning("sample %d: %s", sample, conversation.failure)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run builds once
+
+
+def turn_stop_ids(config: EnvConfig, tokenizer) -> tuple[int, ...]:
+    """The tokenizer's stop ids and env.stop_tokens' ids; ValueError naming a stop token that is not one token."""
+    extra = []
+    for text in config.stop_tokens:
+        try:
+            extra.append(tokenizer.single_token_id(text))
+        except ValueError as error:
+            raise ValueError(f"env.stop_tokens: {error}; make it one token (tools/train_tokenizer.py --symbols, or a "
+                             "tokenizer whose added tokens include it)") from None
+    return tuple(dict.fromkeys((*tokenizer.stop_ids, *extra)))
+
+
+def build_renderer(config: EnvConfig, factory: EnvFactory, tokenizer, chat_template: bool) -> ReplyRenderer:
+    """The run's reply renderer, with the tools an environment of env.name declares (its ``tools``
+    attribute: JSON schemas for the chat template) and the turn-ending env.stop_tokens."""
+    tools = getattr(make_environment(factory, config.params, config.name), "tools", None)
+    stops = turn_stop_ids(config, tokenizer)
+    return ReplyRenderer(tokenizer, chat_template, tools=tools, tool_stop_ids=stops[len(tokenizer.stop_ids):])
+
+
+def combine_rewards(mode: str, conversations: Conversations, scores: RewardScores | None,
+                    failure_reward: float) -> RewardScores:
+    """The samples' rewards as env.reward says: the environment's (env), rl.reward's ``scores`` of the
+    final turns (reward), or both added (sum). A sample whose environment or verifier failed gets
+    ``failure_reward`` and counts as one failure."""
+    rewards, failures = [], []
+    for index, (env_reward, env_failure) in enumerate(zip(conversations.rewards(), conversations.failures())):
+        failure = env_failure or (scores.failures[index] if scores is not None else "")
+        total = (0.0 if mode == "reward" else env_reward or 0.0) + (0.0 if mode == "env" else scores.rewards[index])
+        rewards.append(failure_reward if failure else total)
+        failures.append(failure)
+    return RewardScores(rewards, tuple(failures))
+
+
+def sum_metrics(per_sample: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Counts added up by name (environments name their own: not every sample has every name)."""
+    totals: dict[str, float] = {}
+    for counts in per_sample:
+        for name, value in counts.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals

@@ -1,0 +1,101 @@
+"""One rollout with its rewards, as the trainer and the evaluator both run it: prompts -> samples ->
+rewards, single-turn (rl.reward on each response) or, with env.name, multi-turn (each sample a
+conversation with its own environment; the rewards as env.reward says)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megacispo.data.chat import ReplyRenderer
+from megacispo.data.prompts import PromptRecord, prompt_token_ids
+from megacispo.data.rewards import RewardFn, RewardScores, score_responses
+from megacispo.data.tokenizer import Tokenizer
+from megacispo.envs.base import EnvFactory, get_environment_factory
+from megacispo.envs.config import EnvConfig
+from megacispo.envs.turns import Conversations, EnvWorkers, build_renderer, combine_rewards
+from megacispo.rollout.config import RolloutConfig
+from megacispo.rollout.generate import Samples, generate, response_token_ids
+
+
+@dataclass
+class Environments:
+    """What a run builds once for env.name: the factory, the reply renderer and the worker threads."""
+
+    config: EnvConfig
+    factory: EnvFactory
+    renderer: ReplyRenderer
+    workers: EnvWorkers
+
+    @classmethod
+    def build(cls, config: EnvConfig, tokenizer: Tokenizer, chat_template: bool) -> Environments | None:
+        """None without env.name (single-turn rollouts)."""
+        if not config.multi_turn:
+            return None
+        factory = get_environment_factory(config.name)
+        return cls(config, factory, build_renderer(config, factory, tokenizer, chat_template),
+                   EnvWorkers(config.workers))
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How responses are scored: rl.reward, rl.failure_reward, rl.reward_timeout_s and env.reward."""
+
+    reward_fn: RewardFn
+    failure_reward: float
+    timeout_s: float
+    stop_pending: Callable[[], bool] = lambda: False
+    """Whether this rank was told to stop, for a reward call in flight."""
+
+
+def response_text(tokenizer: Tokenizer, samples: Samples, row: int) -> str:
+    """The decoded response of ``row``, without the stop token that ended it."""
+    ids = response_token_ids(samples, row)
+    if ids and ids[-1] in tokenizer.stop_ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids)
+
+
+def sample_and_score(
+    model, records: Sequence[PromptRecord], rollout: RolloutConfig, *, tokenizer: Tokenizer, keys: torch.Tensor,
+    scoring: Scoring, environments: Environments | None, lockstep_group: dist.ProcessGroup | None,
+    progress: tqdm | None = None, interrupt: Callable[[], None] | None = None,
+) -> tuple[Samples, RewardScores, list[dict[str, float]]]:
+    """One sample of each of ``records`` (repeat a record for a group), its reward and (multi-turn) its
+    conversation's env/* counts (an empty list single-turn). ``interrupt`` is called before every decode step and
+    after the scoring, on every rank alike (``generate``); what it raises stops the rollout."""
+    conversations = None
+    if environments is None:
+        prompts = [prompt_token_ids(tokenizer, record) for record in records]
+        stop_ids = tokenizer.stop_ids
+    else:
+        conversations = Conversations(environments.config, environments.factory, environments.renderer, records,
+                                      environments.workers)
+        prompts = conversations.prompts(lambda record: prompt_token_ids(tokenizer, record))
+        stop_ids = sorted(environments.renderer.turn_stop_ids)
+    samples = generate(model, prompts, rollout, stop_ids=stop_ids, pad_id=tokenizer.pad_id, keys=keys,
+                       lockstep_group=lockstep_group, progress=progress, interrupt=interrupt,
+                       conversations=conversations)
+    try:
+        scores = None
+        if conversations is None or environments.config.reward != "env":
+            texts = conversations.final_texts() if conversations is not None else \
+                [response_text(tokenizer, samples, row) for row in range(len(prompts))]
+            scores = score_responses(scoring.reward_fn, texts, records, scoring.failure_reward,
+                                     timeout_s=scoring.timeout_s, interrupted=scoring.stop_pending)
+    finally:
+        # Every rank agrees here, after scoring: a SIGTERM that stopped one rank's scoring stops them all.
+        if interrupt is not None:
+            interrupt()
+    if conversations is None:
+        return samples, scores, []
+    scores = combine_rewards(environments.config.reward, conversations, scores, scoring.failure_reward)
+    env_metrics = conversations.sample_metrics()
+    # The model's own tokens, beside the replies' fed_tokens (one copy to the host for all the samples).
+    for counts, sampled in zip(env_metrics, samples.loss_mask.sum(dim=1).tolist()):
+        counts["env/sampled_tokens"] = sampled
+    return samples, scores, env_metrics
