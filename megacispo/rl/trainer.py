@@ -52,6 +52,7 @@ from megacispo.rl.start import RunStart, checkpoint_root
 from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
 from megacispo.rollout.generate import Samples, sample_keys
 from megacispo.rollout.remote import RemoteRollouts, concat_samples
+from megacispo.training.balance import Balance, exchange_rows, token_spread
 from megacispo.training.engine import Engine
 from megacispo.training.packing import PackedRow
 
@@ -335,7 +336,10 @@ class Trainer:
         chosen = (kept + spare)[:quota]
         metrics = self._rollout_metrics(tally, chosen)
         self._check_reward_health(metrics["rollout/reward_failure_frac"], tally.first_failure)
-        return self._to_train_batch(chosen), metrics
+        batch = self._to_train_batch(chosen)
+        if self.config.train.pack_sequences and self.config.train.balance_data_parallel and self.dp_size > 1:
+            batch, metrics["perf/dp_token_spread"] = self._balance_over_dp(batch)
+        return batch, metrics
 
     def _sample(self, records: list[PromptRecord]) -> tuple[Samples, RewardScores, list[dict[str, float]]]:
         """This rank's samples of ``records``, their rewards and (multi-turn) each one's env/* counts. The CP ranks of a data-parallel rank share its records: each generates and
@@ -401,6 +405,30 @@ class Trainer:
             padding_mask=torch.cat([s.padding_mask(width) for s in samples]),
             routes=torch.cat([pad_right(s.routes, width) for s in samples]),
         )
+
+    def _balance_over_dp(self, batch: TrainBatch) -> tuple[TrainBatch, float]:
+        """``batch`` with its rows moved between the data-parallel ranks so that each rank's share of every
+        mini-batch holds about equal tokens (megacispo.training.balance), and the fullest rank's tokens
+        over the mean rank's after the move."""
+        # Each rank's sequence lengths and its batch's width (rollouts of their own may pad rows wider).
+        lengths = torch.cat([(~batch.padding_mask).sum(dim=1),
+                             torch.tensor([batch.tokens.shape[1]], device=self.engine.device)])
+        gathered = [torch.empty_like(lengths) for _ in range(self.dp_size)]
+        dist.all_gather(gathered, lengths, group=self.dp_group)
+        per_rank = [part.tolist() for part in gathered]  # one copy to the host per step
+        width = max(part.pop() for part in per_rank)
+        balance = Balance.plan(per_rank, self.config.rl.updates_per_rollout)
+        all_lengths = [length for part in per_rank for length in part]
+        new_width = self.engine.padded_length(max(all_lengths[index] for index in balance.new_rows[self.dp_rank]))
+        # Per field: its width short of the tokens' (per predicted token: one less), its padding value.
+        fields = {"tokens": (0, self.tokenizer.pad_id), "loss_mask": (1, 0), "rollout_logprobs": (1, 0),
+                  "padding_mask": (0, True), "routes": (0, 0)}
+        moved = exchange_rows([*(pad_right(getattr(batch, name), width - short, fill)
+                                 for name, (short, fill) in fields.items()), batch.advantages],
+                              balance, self.dp_group)
+        trimmed = {name: values[:, :new_width - short] for (name, (short, _)), values in zip(fields.items(), moved)}
+        spread = token_spread([[all_lengths[index] for index in rows] for rows in balance.new_rows])
+        return TrainBatch(advantages=moved[-1], **trimmed), spread
 
     def _rollout_metrics(self, tally: RolloutTally, chosen: list[GroupSamples]) -> dict[str, float]:
         rewards = torch.cat(tally.rewards)

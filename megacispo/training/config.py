@@ -59,6 +59,8 @@ class TrainConfig:
     """Pack each micro-batch's sequences end to end into one row (exact; false: one right-padded sequence per row)."""
     max_tokens_per_micro_batch: int = ranged(0, Range(0, note="0: micro_batch_size x the pass's longest sequence"))
     """Token budget of a packed micro-batch (0: micro_batch_size x the pass's longest sequence, padding's own size)."""
+    balance_data_parallel: bool = True
+    """Packed: move sequences between data-parallel ranks so each rank's share of every mini-batch holds about equal tokens (exact)."""
     checkpoint_every: int = ranged(0, Range(0, note="0: only at the end"))
     """Save a checkpoint every this many steps (0: only at the end)."""
     keep_last: int = ranged(2, AT_LEAST_1)

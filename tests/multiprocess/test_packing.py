@@ -50,10 +50,12 @@ def _sequences(rows: range) -> dict[str, torch.Tensor]:
     }
 
 
-def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None) -> dict:
+def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None, balance: bool = False) -> dict:
     """Old log-probs and one update of this rank's batch (its data-parallel share of the 16 sequences) in
-    ``layout`` (ParallelConfig's fields; None: the world is data-parallel): the old log-probs
-    [n, S - 1], the update's metrics, the gradients by name, the number of micro-batches."""
+    ``layout`` (ParallelConfig's fields; None: the world is data-parallel), its rows first moved between
+    the data-parallel ranks with ``balance`` (``Trainer._balance_over_dp``): the old log-probs
+    [n, S - 1] and the rows they are of, the update's metrics, the gradients by name, the number of
+    micro-batches, the tokens the rank trained."""
     import torch.distributed as dist
 
     from megacispo.config import Config
@@ -76,11 +78,15 @@ def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None) -> dic
     rank, size = dist.get_rank(trainer.dp_group), dist.get_world_size(trainer.dp_group)
     rows = range(rank * len(PROMPTS) // size, (rank + 1) * len(PROMPTS) // size)
     batch = TrainBatch(**_sequences(rows))
+    tokens_before = int((~batch.padding_mask).sum())
+    if balance:
+        batch, _ = trainer._balance_over_dp(batch)
     micro_batches = len(trainer._micro_batches(batch))
     batch.old_logprobs = trainer.compute_old_logprobs(batch)
     grads = _keep_gradients(trainer.engine)
     metrics = trainer._update_once(batch)
-    return {"old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads, "micro_batches": micro_batches}
+    return {"old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads, "micro_batches": micro_batches,
+            "tokens": batch.tokens, "tokens_before": tokens_before, "tokens_trained": int((~batch.padding_mask).sum())}
 
 
 def _keep_gradients(engine) -> dict[str, torch.Tensor]:
@@ -142,6 +148,28 @@ def test_ranks_with_unequal_sequences_agree_and_match_one_process(padded):
     both = torch.cat([pad_right(r["old_logprobs"], width) for r in results])
     for result in results:
         _assert_same(whole, {**result, "old_logprobs": both}, "DP = 2 packed")
+
+
+def test_balanced_ranks_train_equal_tokens_and_match_one_process(padded):
+    """DP = 2 with rank 0 holding 186 tokens and rank 1 100: after the exchange the ranks hold 8 sequences
+    and 146 and 140 tokens (the LPT split of these lengths), every sequence once, and they train to the
+    one-process run's loss and gradients."""
+    from megacispo.data.padding import pad_right
+
+    results = run_distributed(_pass, 2, True, 100, "cispo", None, True)
+    assert [r["tokens_before"] for r in results] == [186, 100]
+    assert [r["tokens_trained"] for r in results] == [146, 140]
+    whole, one = padded["cispo"], _sequences(range(len(PROMPTS)))
+    width = whole["old_logprobs"].shape[1]
+    # Each rank's rows are sequences of the whole batch: find them by their tokens.
+    tokens = torch.cat([pad_right(r["tokens"], width + 1) for r in results])
+    rows = [next(i for i in range(len(PROMPTS)) if torch.equal(one["tokens"][i], row)) for row in tokens]
+    assert sorted(rows) == list(range(len(PROMPTS))) and rows != list(range(len(PROMPTS)))
+    moved = torch.cat([pad_right(r["old_logprobs"], width) for r in results])
+    restored = torch.empty_like(moved)
+    restored[rows] = moved
+    for result in results:
+        _assert_same(whole, {**result, "old_logprobs": restored}, "DP = 2 balanced")
 
 
 def _sft_step(pack: bool, budget: int, layout: dict | None = None) -> dict:
