@@ -9,7 +9,8 @@ document's keys up to their GLOBAL positions (documents may cross chunk and rank
 the backward reduce-scatters dK and dV to the ranks that own those tokens.
 
 Memory per rank: K and V of the whole row ([1, kv heads, N, d] each) and what SDPA's causal kernel
-saves for the pieces' queries, linear in N: no [N / CP, N] mask exists.
+saves for the pieces' queries, linear in N: no [N / CP, N] mask exists (on CUDA; a CPU materializes
+each piece's [p, prefix] mask, which is where tests run).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from torch.nn.attention.bias import causal_lower_right
 
 from megacispo.parallel.context import zigzag_positions
 
@@ -66,10 +68,10 @@ def attention_cp(
     chunk r, then chunk 2 CP - 1 - r) of a row of N = s CP tokens whose documents end at
     cu_seqlens[1:] (the whole row's offsets, the same on every rank). K and V travel in one all-gather
     (their gradients in one reduce-scatter). Each piece of a document in a local chunk attends to its
-    document's keys up to the piece's end with SDPA's own causal mask: the piece's queries go after as
-    many zero queries as the document has tokens before the piece (their outputs are dropped and carry
-    no gradient), so no [s, N] mask is built or saved. Memory stays linear in N; the work of a piece is
-    that of its document's prefix (the earlier tokens' queries are computed and dropped).
+    document's keys up to the piece's end, causal aligned to the lower right (torch's ``CausalBias``:
+    flash attention's own causal alignment on CUDA, so no [s, N] mask is built or saved there). Memory
+    stays linear in N, and a piece's work is its own queries' (p x prefix): CP divides the attention
+    work as it divides the tokens.
     """
     lengths = {q.shape[2], k.shape[2], v.shape[2]}
     if len(lengths) != 1 or q.shape[0] != 1:
@@ -102,11 +104,10 @@ def attention_cp(
             if piece_start >= piece_end:
                 continue
             queries = q[:, :, slot * chunk + piece_start - start: slot * chunk + piece_end - start]
-            earlier = piece_start - doc_start
-            queries = torch.cat([queries.new_zeros(1, q.shape[1], earlier, head_dim), queries], dim=2)
-            out = F.scaled_dot_product_attention(
-                queries, keys[:, :, doc_start:piece_end], values[:, :, doc_start:piece_end], is_causal=True,
+            # The piece's queries are the last of its document's prefix: causal aligned to the lower right.
+            causal = causal_lower_right(piece_end - piece_start, piece_end - doc_start)
+            pieces.append(F.scaled_dot_product_attention(
+                queries, keys[:, :, doc_start:piece_end], values[:, :, doc_start:piece_end], attn_mask=causal,
                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-            )
-            pieces.append(out[:, :, earlier:])
+            ))
     return torch.cat(pieces, dim=2)
