@@ -130,7 +130,7 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         k, v = cache.extend_kv(self.layer_idx, k, v)  # [b, kv heads, T, d]
         # The newest position sees every earlier one: only pad keys are masked (the same keys as
         # _padded_causal_mask's last row masks, since the token itself is valid).
-        out = self._attend(q, k, v, attention.key_bias, causal=False)  # [b, heads, 1, d]
+        out = decode_attention(q, k, v, attention.key_bias, self.head_dim**-0.5)  # [b, heads, 1, d]
         return F.linear(out.reshape(batch, -1), self.o_proj.weight)
 
     def qkv_weight(self) -> torch.Tensor:
@@ -169,6 +169,23 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.head_dim**-0.5, enable_gqa=True
         )
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query per row: q [b, heads, 1, d] over k, v [b, kv heads, T, d] with key_bias [b, 1, 1, T]
+    (0 at valid keys, -inf at pads; None: none) -> [b, heads, 1, d].
+
+    The query heads that share a KV head become that head's queries: q as [b, kv heads, g, d], every
+    one of the g seeing all T keys. K and V are then read once per KV head, not repeated to every
+    query head (the GQA expansion SDPA would make for a bias it cannot pass to a GQA kernel), and the
+    call has equal head counts and an additive bias, which CUDA's memory-efficient kernel takes."""
+    batch, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=key_bias, scale=scale)
+    return out.reshape(batch, heads, 1, dim)
 
 
 def attend_documents(
