@@ -19,6 +19,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 _FP32_OR_WIDER = (torch.float32, torch.float64)
+MIN_SPAN = 64
+"""The smallest span a bucketed decode step's attention reads (InferenceCache.step_span)."""
 
 
 def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
@@ -315,9 +317,9 @@ _cached_partners = functools.cache(_partners)
 @dataclass
 class AttentionStep:
     """What the softmax layers of one decode step share, made once per step (HybridModel's lean step):
-    RoPE at each row's position as a product, a gather and a multiply-add, and the cache's key
-    padding as an additive bias, so that each layer runs neither the rotation's slicing and
-    concatenations nor the boolean mask's conversion."""
+    RoPE at each row's position as a product, a gather and a multiply-add, and the keys' mask as an
+    additive bias, so that each layer runs neither the rotation's slicing and concatenations nor the
+    boolean mask's conversion."""
 
     cos: torch.Tensor
     """[b, 1, 1, head_dim] fp32 (``RotaryEmbedding.decode_tables``)."""
@@ -325,21 +327,25 @@ class AttentionStep:
     """[b, 1, 1, head_dim] fp32."""
     partners: torch.Tensor
     """[head_dim] int64, ``_rotate_half_partners``."""
-    key_bias: torch.Tensor | None
-    """[b, 1, 1, T] in the model's dtype: 0 at valid keys, -inf at pads; None when no key is a pad."""
+    key_bias: torch.Tensor
+    """[b, 1, 1, span] in the model's dtype: 0 at the valid keys up to the step's own, -inf at pads and
+    past the step's position."""
 
     @classmethod
     def build(cls, rotary: RotaryEmbedding, position_ids: torch.Tensor, head_dim: int, cache: InferenceCache,
-              dtype: torch.dtype) -> AttentionStep:
-        """For rows at position_ids [b, 1] decoding against ``cache`` (valid_mask already covering the
-        step's token), in ``dtype``."""
+              dtype: torch.dtype, span: int) -> AttentionStep:
+        """For rows at position_ids [b, 1] decoding against ``cache`` at ``cache.column`` (already marked
+        valid: ``open_step``), whose attention reads ``span`` positions (``step_span``), in ``dtype``."""
         cos, signed_sin = rotary.decode_tables(position_ids, head_dim)
         partners = _rotate_half_partners(rotary.rotary_dim, head_dim, position_ids.device)
-        key_bias = None
-        if cache.has_padding:
-            valid = cache.valid_mask[:, None, None, :]
-            key_bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
-        return cls(cos, signed_sin, partners, key_bias)
+        # The buffers past the step's position hold what moved there (drop_oldest): masked by position.
+        seen = cache.valid_buffer(span) & (torch.arange(span, device=position_ids.device) <= cache.column)
+        key_bias = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+        return cls(cos, signed_sin, partners, key_bias[:, None, None, :])
+
+    @property
+    def span(self) -> int:
+        return self.key_bias.shape[-1]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``apply_rotary`` of x [b, heads, 1, head_dim] at this step's positions: x cos + rotate_half(x)
@@ -390,10 +396,12 @@ class InferenceCache:
         # the appends amortized O(1) instead of a [b, T] copy per token.
         self._valid_buffer = valid_mask
         self._length = valid_mask.shape[1]
-        self.has_padding = not bool(valid_mask.all())
-        """Whether any of the T positions is a pad (without pads no key needs masking)."""
         self.next_positions = next_positions
         """[b] RoPE position of each sequence's next token (its number of real tokens so far)."""
+        self.column = torch.tensor(self._length, device=valid_mask.device)
+        """[] int64: ``length`` on the device, the position the next decode step writes. The lean step
+        reads and advances it (and next_positions) in place, so its graph holds no position: one
+        captured graph replays at every step of a bucket (``step_span``)."""
         self.lightning_states: dict[int, torch.Tensor] = {}
         """Global layer index -> [b, heads, d, d] fp32 state of a lightning layer."""
         self.keys: dict[int, torch.Tensor] = {}
@@ -411,6 +419,10 @@ class InferenceCache:
         """[b, T] bool: True for the real tokens of all T positions so far (prompt and generated)."""
         return self._valid_buffer[:, : self._length]
 
+    def valid_buffer(self, span: int) -> torch.Tensor:
+        """[b, span] bool: the valid mask's buffer over its first ``span`` positions (past ``length``: stale)."""
+        return self._valid_buffer[:, :span]
+
     @property
     def batch_size(self) -> int:
         return self._valid_buffer.shape[0]
@@ -420,22 +432,63 @@ class InferenceCache:
         return self._length
 
     def append_token(self) -> None:
-        """Add one position per sequence (a decode step) to the valid mask: a real token of every row
-        ``live_rows`` advances."""
+        """Add one position per sequence (a decode step through Megatron's modules) to the valid mask:
+        a real token of every row ``live_rows`` advances."""
         self._valid_buffer = _with_capacity(self._valid_buffer, 1, self._length, self._length + 1)
         self._valid_buffer[:, self._length] = True if self.live_rows is None else self.live_rows
-        self.has_padding = self.has_padding or self.live_rows is not None
         self._length += 1
+        self.column.add_(1)
 
     def append_positions(self, positions: int) -> None:
         """Add ``positions`` real tokens to every sequence (a prefill that continues the cache's sequences)."""
         self._valid_buffer = _with_capacity(self._valid_buffer, 1, self._length, self._length + positions)
         self._valid_buffer[:, self._length:self._length + positions] = True
         self._length += positions
+        self.column.add_(positions)
 
     def advance_positions(self) -> None:
         """Move every row's RoPE position on by a decode step's token (a held row's stays)."""
         self.next_positions = self.next_positions + (1 if self.live_rows is None else self.live_rows)
+
+    # A lean decode step (HybridModel._lean_stage) on fixed shapes: the host picks the span its
+    # attention reads (``step_span``), the step writes at ``column`` and advances it on the device
+    # (``open_step``, ``step_kv``, ``close_step``), and the host counts it (``count_step``).
+
+    def step_span(self, bucketed: bool) -> int:
+        """The positions a lean decode step's attention reads: every position so far and the step's own
+        (length + 1); ``bucketed``: that rounded up to a power of two (at least MIN_SPAN, at most the
+        buffers' smallest capacity, which ``reserve`` must have made room for), so that a captured step's shapes
+        take a few values over a rollout instead of one per step. The positions past length + 1 are
+        masked (AttentionStep.build)."""
+        needed = self._length + 1
+        if not bucketed:
+            return needed
+        capacity = min(self._valid_buffer.shape[1], *(kv.shape[2] for kv in (*self.keys.values(), *self.values.values())))
+        return min(max(MIN_SPAN, 1 << (needed - 1).bit_length()), capacity)
+
+    def open_step(self) -> None:
+        """Mark the step's position valid in the rows ``live_rows`` advances (all: None), in place at ``column``."""
+        rows = self._valid_buffer.shape[0]
+        live = torch.ones(rows, 1, dtype=torch.bool, device=self.column.device) if self.live_rows is None \
+            else self.live_rows[:, None]
+        self._valid_buffer.index_copy_(1, self.column.view(1), live)
+
+    def step_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, span: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a softmax layer's key and value of the step ([b, kv heads, 1, d]) at ``column``, in place;
+        return its first ``span`` positions, [b, kv heads, span, d] views."""
+        for store, new in ((self.keys, keys), (self.values, values)):
+            store[layer_idx].index_copy_(2, self.column.view(1), new)
+        return self.keys[layer_idx][:, :, :span], self.values[layer_idx][:, :, :span]
+
+    def close_step(self) -> None:
+        """After the step's layers: ``column`` and the rows' RoPE positions move on, in place (a held row's stay)."""
+        self.column.add_(1)
+        self.next_positions.add_(1 if self.live_rows is None else self.live_rows)
+
+    def count_step(self) -> None:
+        """The host's count of a lean step's position (the step advanced ``column`` itself)."""
+        self._length += 1
 
     def reserve(self, positions: int) -> None:
         """Make room in every buffer for ``positions`` positions beyond the current ones now, so
@@ -458,6 +511,14 @@ class InferenceCache:
         for tensor, position_dim in position_dims:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tensor, position_dim)
+
+    def mark_static_addresses(self) -> None:
+        """For CUDA graphs: the buffers a captured decode step mutates in place keep their addresses
+        from step to step (a buffer that grows or a cache that is re-selected re-records the graph).
+        Unguarded: a new address never recompiles, and without CUDA graphs the marks change nothing."""
+        for tensor in (self._valid_buffer, self.column, self.next_positions, *self.lightning_states.values(),
+                       *self.keys.values(), *self.values.values()):
+            torch._dynamo.mark_static_address(tensor)
 
     def extend_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a softmax layer's keys and values of the s newest positions ([b, kv heads, s, d],
@@ -482,7 +543,6 @@ class InferenceCache:
         start = total - width
         self._valid_buffer[rows, :start] = False
         self._valid_buffer[rows, start:total] = other.valid_mask
-        self.has_padding = True
         self.next_positions[rows] = other.next_positions
         for layer_idx, state in other.lightning_states.items():
             self.lightning_states[layer_idx][rows] = state
@@ -503,6 +563,7 @@ class InferenceCache:
                 size = min(positions, kept - begin)
                 buffer.narrow(dim, begin, size).copy_(buffer.narrow(dim, begin + positions, size))
         self._length = kept
+        self.column.sub_(positions)
 
     def pad_front(self, positions: int) -> None:
         """Put ``positions`` masked positions before the oldest position of every row, in place where the
@@ -521,8 +582,8 @@ class InferenceCache:
                 begin = max(0, end - positions)
                 buffer.narrow(dim, begin + positions, end - begin).copy_(buffer.narrow(dim, begin, end - begin))
         self._valid_buffer[:, :positions] = False
-        self.has_padding = True
         self._length = needed
+        self.column.add_(positions)
 
     def newest(self, positions: int) -> InferenceCache:
         """The cache of the ``positions`` newest positions of every row (views of these buffers)."""

@@ -430,14 +430,20 @@ class HybridModel(LanguageModule):
         ``compiled_decode_supported``): the first steps of a batch size compile its graph."""
         token_ids = token_ids.reshape(cache.batch_size, 1)
         position_ids = cache.next_positions[:, None]
+        if not self._lean_step_applies():
+            cache.append_token()
+            logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True)
+            cache.advance_positions()
+            return logits[:, -1], cache
+        # This token and, compiled, one more (InferenceCache.reserve): the step never grows a buffer.
+        cache.reserve(2 if compiled else 1)
         if compiled:
-            cache.reserve(2)  # this token and one more (InferenceCache.reserve): append_token keeps the buffers
-            cache.mark_dynamic_shapes(token_ids, position_ids)
-        cache.append_token()
-        logits = self._decode_forward(
-            token_ids, position_ids, None, cache, last_only=True, one_step=True, compiled=compiled
-        )
-        cache.advance_positions()
+            cache.mark_dynamic_shapes(token_ids)
+            cache.mark_static_addresses()
+        span = cache.step_span(bucketed=compiled)
+        logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True, lean_span=span,
+                                      compiled=compiled)
+        cache.count_step()
         return logits[:, -1], cache
 
     @torch.no_grad()
@@ -459,7 +465,7 @@ class HybridModel(LanguageModule):
 
     def _decode_forward(
         self, input_ids, position_ids, attention_mask, cache: InferenceCache, *, last_only: bool,
-        one_step: bool = False, compiled: bool = False,
+        lean_span: int | None = None, compiled: bool = False,
     ) -> torch.Tensor:
         """Full-vocabulary fp32 logits [b, s, V], or [b, 1, V] of the last position with last_only,
         on every rank (every pipeline stage too: each draws the same next token).
@@ -472,10 +478,10 @@ class HybridModel(LanguageModule):
         stage's hidden states [s, b, H], runs its layers against its part of the cache and sends
         its output on; the last stage's logits are then broadcast to all stages.
 
-        A decode step (``one_step``: one token appended to a filled cache; a one-token prompt is a
-        prefill) takes the lean path where it applies (``_lean_step_applies``): the same modules and
-        weights, called through their ``step`` methods; with ``compiled``, through torch.compile of
-        that path.
+        A decode step on the lean path (``lean_span``: one token appended to a filled cache, its
+        attention reading that many positions; ``decode_step`` decides where it applies) calls the same
+        modules and weights through their ``step`` methods; with ``compiled``, through torch.compile
+        of that path.
         """
         pp_group = self.pg_collection.pp
         pp_rank = torch.distributed.get_rank(pp_group)
@@ -485,9 +491,9 @@ class HybridModel(LanguageModule):
             like = next(self.decoder.parameters())
             received = torch.empty(length, batch, self.config.hidden_size, dtype=like.dtype, device=like.device)
             torch.distributed.recv(received, src=torch.distributed.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
-        if one_step and self._lean_step_applies():
+        if lean_span is not None:
             lean_stage = self._compiled_lean_stage() if compiled else self._lean_stage
-            hidden, logits = lean_stage(input_ids[:, 0], position_ids, cache, received)
+            hidden, logits = lean_stage(input_ids[:, 0], position_ids, cache, received, lean_span)
         else:
             hidden, logits = self._megatron_stage(input_ids, position_ids, attention_mask, cache, received, last_only)
         if not self.post_process:
@@ -519,22 +525,28 @@ class HybridModel(LanguageModule):
         return hidden, at_least_fp32(logits).contiguous()
 
     def _lean_stage(
-        self, token_ids: torch.Tensor, position_ids: torch.Tensor, cache: InferenceCache, received: torch.Tensor | None
+        self, token_ids: torch.Tensor, position_ids: torch.Tensor, cache: InferenceCache, received: torch.Tensor | None,
+        span: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's part of a one-token decode step on the lean path: token_ids [b] (first stage)
-        or the previous stage's output ``received`` [1, b, H]; position_ids [b, 1]. Returns (hidden
-        states [1, b, H], and on the last stage the fp32 logits [b, 1, V], else None): what
-        _megatron_stage computes at TP = 1, through each module's ``step``. The embedding is a row
-        lookup (no position embedding; no dropout in eval mode)."""
+        or the previous stage's output ``received`` [1, b, H]; position_ids [b, 1]; the softmax layers
+        attend over ``span`` positions (``InferenceCache.step_span``). Returns (hidden states [1, b, H],
+        and on the last stage the fp32 logits [b, 1, V], else None): what _megatron_stage computes at
+        TP = 1, through each module's ``step``. The embedding is a row lookup (no position embedding;
+        no dropout in eval mode). The step's position is written and the cache advanced in place, at
+        ``cache.column`` on the device: the shapes depend on the rows and the span alone."""
         if self.pre_process:
             hidden = F.embedding(token_ids, self.embedding.word_embeddings.weight)  # [b, H]
         else:
             hidden = received[0]
+        cache.open_step()
         attention = None
         if self._has_softmax_layers:
-            attention = AttentionStep.build(self.rotary, position_ids, self.hybrid_config.head_dim, cache, hidden.dtype)
+            attention = AttentionStep.build(self.rotary, position_ids, self.hybrid_config.head_dim, cache, hidden.dtype,
+                                            span)
         for layer in self.decoder.layers:
             hidden = layer.step(hidden, cache, attention)
+        cache.close_step()
         if not self.post_process:
             return hidden[None], None
         hidden = self.decoder.final_layernorm.step(hidden)
@@ -553,8 +565,11 @@ class HybridModel(LanguageModule):
 
     def _compiled_lean_stage(self):
         """``_lean_stage`` through torch.compile, built on the first compiled step. Batch 1 and larger
-        batches get a graph each (the batch size and the cache's lengths are dynamic in it); the
-        sequence length, a Python number, turns dynamic after one recompile."""
+        batches get a graph each (the batch size and the buffers' capacity are dynamic in it); the span,
+        a Python number, turns dynamic after one recompile. On CUDA the graph runs as CUDA graphs
+        (inductor's cudagraph trees), one recorded per shape: the span is bucketed and the rollout's
+        rows are too (megacispo.rollout.generate), so a rollout records a few, each replayed at every
+        step of its bucket; the cache's buffers are marked as static addresses (mutated in place)."""
         if not self.compiled_decode_supported:
             raise ValueError(
                 "decode_step(compiled=True) (rollout.compile_decode) needs the lean decode step in one "
@@ -562,7 +577,10 @@ class HybridModel(LanguageModule):
                 "set rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
-            self._compiled_lean = torch.compile(self._lean_stage, options={"guard_filter_fn": _lean_step_guards})
+            options = {"guard_filter_fn": _lean_step_guards}
+            if self.lm_head_weight.is_cuda:
+                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
+            self._compiled_lean = torch.compile(self._lean_stage, options=options)
         return self._compiled_lean
 
     def _lean_step_applies(self) -> bool:

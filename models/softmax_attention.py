@@ -121,15 +121,15 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         what forward computes for a one-token decode step, with one matmul on the q / k / v weights
         (``qkv_weight``) instead of Megatron's three linears; ``attention``: the step's rotation (of q
         and k together: they sit side by side in the product) and key bias. The token's key and value
-        are appended to ``cache`` (whose valid_mask covers it)."""
+        are written at ``cache.column`` (``InferenceCache.step_kv``), and the attention reads the step's span."""
         batch, heads, kv_heads, dim = hidden.shape[0], self.num_local_heads, self.num_local_kv_heads, self.head_dim
         qkv = F.linear(hidden, self.qkv_weight())  # [b, (heads + 2 kv heads) d]
         qk = attention.rotate(qkv[:, : (heads + kv_heads) * dim].view(batch, heads + kv_heads, 1, dim))
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, 1, dim)
-        k, v = cache.extend_kv(self.layer_idx, k, v)  # [b, kv heads, T, d]
-        # The newest position sees every earlier one: only pad keys are masked (the same keys as
-        # _padded_causal_mask's last row masks, since the token itself is valid).
+        k, v = cache.step_kv(self.layer_idx, k, v, attention.span)  # [b, kv heads, span, d]
+        # The newest position sees every earlier one: pad keys and positions past it are masked (the
+        # same keys as _padded_causal_mask's last row masks, since the token itself is valid).
         out = decode_attention(q, k, v, attention.key_bias, self.head_dim**-0.5)  # [b, heads, 1, d]
         return F.linear(out.reshape(batch, -1), self.o_proj.weight)
 

@@ -608,11 +608,16 @@ class _SlotRollout:
     def _shrink(self, cache, tokens: torch.Tensor):
         """Once nothing waits, drop idle rows when at most half the rows still decode (at least one row
         stays: a rank of a lockstep group keeps stepping): the tail of long responses runs at its own
-        batch size. Returns (cache, tokens) of the rows kept."""
+        batch size. A compiled step keeps a power of two of rows (idle ones added): a captured graph
+        then serves every shrink to its bucket. Returns (cache, tokens) of the rows kept."""
         live = [row for row, sample in enumerate(self.row_sample) if sample >= 0]
-        if len(live) > len(self.row_sample) // 2 or len(self.row_sample) == 1:
+        rows = max(len(live), 1)
+        if self.config.compile_decode:
+            rows = 1 << (rows - 1).bit_length()
+        if rows > len(self.row_sample) // 2 or len(self.row_sample) == 1:
             return cache, tokens
-        live = live or [0]
+        idle = [row for row, sample in enumerate(self.row_sample) if sample < 0]
+        live = sorted(live + idle[:rows - len(live)])
         index = torch.tensor(live, dtype=torch.long, device=self.device)
         self.row_sample = [self.row_sample[row] for row in live]
         self.row_drawn = [self.row_drawn[row] for row in live]

@@ -180,8 +180,8 @@ def _compiled_step_outputs() -> dict:
     input_ids, mask = decode_ops.prompts_for(4, config.vocab_size)
     keys = sample_keys((0,), range(4), 1, device="cpu")
 
-    def step(tokens, drawn, cache):
-        _, logits = model._lean_stage(tokens, cache.next_positions[:, None], cache, None)
+    def step(tokens, drawn, cache, span):
+        _, logits = model._lean_stage(tokens, cache.next_positions[:, None], cache, None, span)
         return sample_tokens(logits[:, 0], rollout, keys, drawn)
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
@@ -192,9 +192,8 @@ def _compiled_step_outputs() -> dict:
         for name, run in (("eager", step), ("compiled", compiled)):
             cache, tokens, drawn = copy.deepcopy(prefilled), logits.argmax(-1), []
             for position in range(4):
-                cache.append_token()
-                tokens, logprobs, _ = run(tokens, torch.full((4,), position), cache)
-                cache.next_positions = cache.next_positions + 1
+                tokens, logprobs, _ = run(tokens, torch.full((4,), position), cache, cache.step_span(bucketed=True))
+                cache.count_step()
                 drawn.append((tokens, logprobs))
             outputs[name] = drawn
     return outputs
@@ -205,3 +204,65 @@ def test_decode_step_with_sampling_traces_as_one_graph():
     for (tokens, logprobs), (eager_tokens, eager_logprobs) in zip(outputs["compiled"], outputs["eager"]):
         assert torch.equal(tokens, eager_tokens)
         torch.testing.assert_close(logprobs, eager_logprobs, rtol=1e-10, atol=1e-10)
+
+
+def _compiled_rollout() -> dict:
+    """A sampled rollout (6 prompts of 3-20 tokens, 4 slots: refills, and shrinks to 2 and 1 row as the
+    tail finishes) with the compiled lean step and eagerly, in fp64. The compiled step runs through a
+    backend that counts its compilations (dynamo decides them; inductor would only make them slower
+    to test), and every decode step's rows and span are recorded: the shapes a captured step sees,
+    one CUDA graph each."""
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel, _lean_step_guards
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import generate, sample_keys
+
+    config = model_config("tiny")
+    init_distributed(ParallelConfig(), seed=3)
+    model = HybridModel(config, transformer_config(config, ParallelConfig(), init_method_std=0.3)).eval().double()
+    model.config.moe_router_dtype = "fp64"
+    compilations, shapes = [], []
+
+    def counting_backend(graph, example_inputs):
+        compilations.append(len(example_inputs))
+        return graph.forward
+
+    model._compiled_lean = torch.compile(model._lean_stage, backend=counting_backend, fullgraph=True,
+                                         options={"guard_filter_fn": _lean_step_guards})
+    decode_forward = model._decode_forward
+
+    def recording(input_ids, *args, lean_span=None, **kwargs):
+        if lean_span is not None and kwargs.get("compiled"):
+            shapes.append((input_ids.shape[0], lean_span))
+        return decode_forward(input_ids, *args, lean_span=lean_span, **kwargs)
+
+    model._decode_forward = recording
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, config.vocab_size, (length,), generator=generator).tolist()
+               for length in (3, 20, 7, 12, 5, 16)]
+    samples = {}
+    for compiled in (False, True):
+        rollout = RolloutConfig(max_new_tokens=90, temperature=1.0, top_k=50, max_running=4, compile_decode=compiled)
+        result = generate(model, prompts, rollout, stop_ids=[2], pad_id=0, response_limits=[90, 12, 60, 30, 70, 8],
+                          keys=sample_keys((5,), range(len(prompts)), 1, device="cpu"))
+        samples[compiled] = (result.tokens, result.rollout_logprobs)
+    return {"samples": samples, "compilations": len(compilations), "shapes": shapes}
+
+
+def test_a_compiled_rollout_sees_a_few_shapes_and_samples_what_eager_samples():
+    """The position lives on the device (InferenceCache.column), the span is a power of two and the
+    rows shrink by powers of two: over a rollout of 90-token responses the compiled step sees a few
+    (rows, span) shapes, each one CUDA graph to record, compiles at most four times whatever the
+    rollout's length (the first shape; then the span and the rows turn dynamic; one row gets a graph
+    of its own), and samples exactly what the eager step samples."""
+    (result,) = run_distributed(_compiled_rollout, 1)
+    eager_tokens, eager_logprobs = result["samples"][False]
+    tokens, logprobs = result["samples"][True]
+    assert torch.equal(tokens, eager_tokens)
+    torch.testing.assert_close(logprobs, eager_logprobs, rtol=1e-10, atol=1e-10)
+    shapes = result["shapes"]
+    assert len(shapes) > 60
+    assert {rows for rows, _ in shapes} <= {4, 2, 1} and {span & (span - 1) for _, span in shapes} == {0}
+    assert len(set(shapes)) <= 6, sorted(set(shapes))
+    assert result["compilations"] <= 4, result["compilations"]
