@@ -377,7 +377,9 @@ def _with_capacity(buffer: torch.Tensor, dim: int, used: int, needed: int) -> to
         return buffer
     shape = list(buffer.shape)
     shape[dim] = max(needed, 2 * buffer.shape[dim])
-    grown = buffer.new_empty(shape)
+    # Zeros, not garbage: a bucketed decode step reads past the used positions (masked: a NaN there
+    # would still reach the output as 0 x NaN).
+    grown = buffer.new_zeros(shape)
     grown.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
     return grown
 
@@ -463,7 +465,8 @@ class InferenceCache:
         needed = self._length + 1
         if not bucketed:
             return needed
-        capacity = min(self._valid_buffer.shape[1], *(kv.shape[2] for kv in (*self.keys.values(), *self.values.values())))
+        buffers = (*self.keys.values(), *self.values.values())
+        capacity = min(self._valid_buffer.shape[1], *(kv.shape[2] for kv in buffers))
         return min(max(MIN_SPAN, 1 << (needed - 1).bit_length()), capacity)
 
     def open_step(self) -> None:
@@ -527,7 +530,7 @@ class InferenceCache:
         start = total - keys.shape[2]
         for store, new in ((self.keys, keys), (self.values, values)):
             if layer_idx not in store:  # prefill: the prompt's positions exactly
-                store[layer_idx] = new.new_empty(new.shape[0], new.shape[1], total, new.shape[3])
+                store[layer_idx] = new.new_zeros(new.shape[0], new.shape[1], total, new.shape[3])
             store[layer_idx] = _with_capacity(store[layer_idx], 2, start, total)
             store[layer_idx][:, :, start:total] = new
         return self.keys[layer_idx][:, :, :total], self.values[layer_idx][:, :, :total]

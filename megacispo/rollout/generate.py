@@ -48,6 +48,7 @@ for the trainer's router-disagreement metric and routing replay (models/routing.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -305,6 +306,75 @@ def _count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
     return progress
 
 
+@dataclass
+class RowState:
+    """The rows' per-step state on the device, [rows] each."""
+
+    sample: torch.Tensor
+    """The sample each row decodes; the scratch row (the number of samples) when none."""
+    keys: torch.Tensor
+    """Its sample's random stream."""
+    drawn: torch.Tensor
+    """Tokens its sample holds so far (the next one's place in the response)."""
+    live: torch.Tensor
+    """bool: it decodes (not ended, not waiting for an environment)."""
+    limit: torch.Tensor
+    """Its sample's length limit."""
+    confident: torch.Tensor
+    """Its current run of tokens above rollout.early_truncation_prob."""
+
+
+@dataclass
+class SampleRecord:
+    """What a rollout writes per sample, [samples + 1, ...] each (the last row is scratch: idle rows write there)."""
+
+    responses: torch.Tensor
+    """[n + 1, max_new_tokens] the response tokens."""
+    logprobs: torch.Tensor
+    """[n + 1, max_new_tokens] their log-probs under the tempered distribution."""
+    lengths: torch.Tensor
+    """[n + 1] the response length, written when the sample ends."""
+    truncated: torch.Tensor
+    """[n + 1] bool: stopped by early truncation."""
+    sampled: torch.Tensor | None
+    """[n + 1, max_new_tokens] bool, multi-turn: the tokens the model sampled (not replies); None single-turn."""
+
+
+def draw_tokens(logits: torch.Tensor, rows: RowState, record: SampleRecord, config: RolloutConfig,
+                stop_ids: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's next token from ``logits`` [rows, V], recorded for its sample while the row is live; a
+    row whose sample ends (a stop id, its length limit, early truncation) writes the sample's length and
+    truncation flag and stops being live. On the device only, on fixed shapes, ``record`` written in
+    place. Returns (tokens, drawn, live, confident): the tokens and the rows' new state [rows]."""
+    tokens, logprobs, probs = sample_tokens(logits, config, rows.keys, rows.drawn)
+    live = rows.live
+    target = torch.where(live, rows.sample, scratch)
+    column = rows.drawn.clamp(max=config.max_new_tokens - 1)
+    record.responses[target, column] = tokens
+    record.logprobs[target, column] = logprobs.to(record.logprobs.dtype)
+    if record.sampled is not None:
+        record.sampled[target, column] = True
+    stop = torch.isin(tokens, stop_ids) | (rows.drawn + 1 >= rows.limit)
+    truncate = torch.zeros_like(stop)
+    confident = rows.confident
+    if config.early_truncation_tokens > 0:
+        confident = torch.where(probs > config.early_truncation_prob, confident + 1, torch.zeros_like(confident))
+        truncate = ~stop & (confident >= config.early_truncation_tokens)
+    drawn = rows.drawn + live.long()
+    ends = live & (stop | truncate)
+    ended = torch.where(ends, rows.sample, scratch)
+    record.lengths[ended] = drawn
+    record.truncated[ended] = truncate
+    return tokens, drawn, live & ~ends, confident
+
+
+@functools.cache
+def compiled_draw(cuda: bool) -> Callable:
+    """``draw_tokens`` through torch.compile, one graph (fullgraph), shared by every rollout of the
+    process; on CUDA run as CUDA graphs (one per row count)."""
+    return torch.compile(draw_tokens, fullgraph=True, options={"triton.cudagraphs": True} if cuda else None)
+
+
 class _SlotRollout:
     """One rollout over ``slots`` rows of the model's cache.
 
@@ -331,14 +401,15 @@ class _SlotRollout:
         _check_device_fits(model, self.slots, self.prompt_width + max(limits), self.device)
         self.stop_ids = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
         self.stop_id_set = frozenset(stop_ids)
-        # Row num_samples is scratch: idle rows write their draws there.
-        self.responses = torch.full((self.num_samples + 1, config.max_new_tokens), pad_id, dtype=torch.long,
-                                    device=self.device)
-        self.response_logprobs = torch.zeros(0, device=self.device)  # the logits' precision, once known
-        self.response_lengths = torch.zeros(self.num_samples + 1, dtype=torch.long, device=self.device)
-        self.truncated = torch.zeros(self.num_samples + 1, dtype=torch.bool, device=self.device)
-        # Multi-turn: True at the response tokens the model sampled (the rest are environment replies).
-        self.sampled = None if conversations is None else torch.zeros_like(self.responses, dtype=torch.bool)
+        # Row num_samples is scratch: idle rows write their draws there. The log-probs' precision is the
+        # logits' (``run``).
+        responses = torch.full((self.num_samples + 1, config.max_new_tokens), pad_id, dtype=torch.long,
+                               device=self.device)
+        self.record = SampleRecord(
+            responses=responses, logprobs=torch.zeros(0, device=self.device),
+            lengths=torch.zeros(self.num_samples + 1, dtype=torch.long, device=self.device),
+            truncated=torch.zeros(self.num_samples + 1, dtype=torch.bool, device=self.device),
+            sampled=None if conversations is None else torch.zeros_like(responses, dtype=torch.bool))
         hybrid = model.hybrid_config
         # Row num_samples is scratch here too; a sample's tokens sit at positions 0 .. prompt + response.
         self.routes = torch.zeros(
@@ -359,8 +430,13 @@ class _SlotRollout:
         first = [self.waiting.popleft() for _ in range(self.slots)]
         logits, cache = self._prefill(first, self.prompt_width)
         # fp32 log-probs, fp64 for an fp64 model (the sampler's precision).
-        self.response_logprobs = torch.zeros((self.num_samples + 1, self.config.max_new_tokens),
-                                             dtype=torch.promote_types(logits.dtype, torch.float32), device=self.device)
+        self.record.logprobs = torch.zeros((self.num_samples + 1, self.config.max_new_tokens),
+                                           dtype=torch.promote_types(logits.dtype, torch.float32), device=self.device)
+        if self.config.compile_decode:
+            # Written in place by the compiled draw, a CUDA graph on GPUs (megacispo.models: mark_static_addresses).
+            for tensor in vars(self.record).values():
+                if tensor is not None:
+                    torch._dynamo.mark_static_address(tensor)
         cache.reserve(self.capacity - cache.length)
         self.row_sample, self.row_drawn, self.row_steps = first, [0] * len(first), [0] * len(first)
         self.row_waiting, self.row_turn_start = [False] * len(first), [0] * len(first)
@@ -438,30 +514,13 @@ class _SlotRollout:
         self.rows_changed = False
 
     def _draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token from ``logits`` [rows, V], recorded for its sample while the row is live;
-        a row whose sample ends (a stop id, its length limit, early truncation) writes the sample's
-        length and truncation flag and stops being live. On the device only. Returns the tokens [rows]."""
-        config = self.config
-        tokens, logprobs, probs = sample_tokens(logits, config, self.row_keys_t, self.row_drawn_t)
-        live = self.row_live_t
-        target = torch.where(live, self.row_sample_t, self.num_samples)
-        column = self.row_drawn_t.clamp(max=config.max_new_tokens - 1)
-        self.responses[target, column] = tokens
-        self.response_logprobs[target, column] = logprobs.to(self.response_logprobs.dtype)
-        if self.sampled is not None:
-            self.sampled[target, column] = True
-        stop = torch.isin(tokens, self.stop_ids) | (self.row_drawn_t + 1 >= self.row_limit_t)
-        truncate = torch.zeros_like(stop)
-        if config.early_truncation_tokens > 0:
-            confident = probs > config.early_truncation_prob
-            self.confident_run = torch.where(confident, self.confident_run + 1, torch.zeros_like(self.confident_run))
-            truncate = ~stop & (self.confident_run >= config.early_truncation_tokens)
-        self.row_drawn_t = self.row_drawn_t + live.long()
-        ends = live & (stop | truncate)
-        ended = torch.where(ends, self.row_sample_t, self.num_samples)
-        self.response_lengths[ended] = self.row_drawn_t
-        self.truncated[ended] = truncate
-        self.row_live_t = live & ~ends
+        """Each row's next token from ``logits`` [rows, V] (``draw_tokens``, through torch.compile with
+        rollout.compile_decode: on CUDA a CUDA graph of its own); the host counts the live rows' steps."""
+        draw = compiled_draw(self.device.type == "cuda") if self.config.compile_decode else draw_tokens
+        rows = RowState(self.row_sample_t, self.row_keys_t, self.row_drawn_t, self.row_live_t, self.row_limit_t,
+                        self.confident_run)
+        tokens, self.row_drawn_t, self.row_live_t, self.confident_run = draw(
+            logits, rows, self.record, self.config, self.stop_ids, self.num_samples)
         self.row_steps = [steps + 1 if sample >= 0 and not waiting else steps
                           for steps, sample, waiting in zip(self.row_steps, self.row_sample, self.row_waiting)]
         return tokens
@@ -493,7 +552,8 @@ class _SlotRollout:
         if not ended:
             return
         samples = torch.tensor([self.row_sample[row] for row in ended], device=self.device)
-        turns = torch.cat([self.responses[samples], self.truncated[samples, None].long()], dim=1).tolist()
+        record = self.record
+        turns = torch.cat([record.responses[samples], record.truncated[samples, None].long()], dim=1).tolist()
         for row, values in zip(ended, turns):
             sample, count = self.row_sample[row], drawn[row]
             turn = values[self.row_turn_start[row]:count]
@@ -544,7 +604,7 @@ class _SlotRollout:
             drawn = self.row_drawn[row]
             span = cache.length - self.row_start[row]
             fed = torch.tensor([0, *ids], dtype=torch.long, device=self.device)
-            fed[0] = self.responses[sample, drawn - 1]  # the turn's last token, drawn but not fed yet
+            fed[0] = self.record.responses[sample, drawn - 1]  # the turn's last token, drawn but not fed yet
             # The row's sequence grows by len(fed) positions at the newest end: room for it at the front.
             room = len(fed) - self.row_start[row]
             if room > 0:
@@ -555,7 +615,7 @@ class _SlotRollout:
             prompt = len(self.prompts[sample])
             routes = self.model.last_routes(1, len(fed)).to(self.routes.dtype)[0]
             self.routes[sample, prompt + drawn - 1:prompt + drawn - 1 + len(fed)] = routes
-            self.responses[sample, drawn:drawn + len(ids)] = fed[1:]
+            self.record.responses[sample, drawn:drawn + len(ids)] = fed[1:]
             self.row_live_t[index] = True
             self.row_drawn_t[index] = drawn + len(ids)
             self.confident_run[index] = 0
@@ -638,10 +698,11 @@ class _SlotRollout:
         self.row_start = [max(0, start - drop) for start in self.row_start]
 
     def _samples(self) -> Samples:
-        lengths = self.response_lengths[: self.num_samples]
-        sampled = None if self.sampled is None else self.sampled[: self.num_samples]
-        return _assemble(self.prompts, self.responses[: self.num_samples], self.response_logprobs[: self.num_samples],
-                         lengths.tolist(), lengths, self.truncated[: self.num_samples], self.pad_id,
+        record, n = self.record, self.num_samples
+        lengths = record.lengths[:n]
+        sampled = None if record.sampled is None else record.sampled[:n]
+        return _assemble(self.prompts, record.responses[:n], record.logprobs[:n], lengths.tolist(), lengths,
+                         record.truncated[:n], self.pad_id,
                          self.routes[: self.num_samples], sampled)
 
 
