@@ -15,7 +15,9 @@ communicate (with expert TP or EP they set ``explicit_expert_comm`` and the toke
 the all-gather / reduce-scatter; in a world of one the mappings are identities), so each is a local
 matmul with this rank's shard, and the gate / up split of a shard is the local chunk, as MLP's glu.
 
-Experts without tokens are skipped when no gradient is recorded (decoding, evaluation). Under
+Experts without tokens are skipped when no gradient is recorded (decoding, evaluation); within a
+rollout, whose experts' weights are stacked, all of them run as two grouped products instead (the
+decode step through Megatron's modules: TP, EP). Under
 autograd every expert still runs (an empty matmul is cheap): each parameter then gets its gradient,
 zero for an idle expert, as with SequentialMLP, so Megatron DDP's per-parameter hooks and
 overlapped gradient reduction see every parameter.
@@ -152,11 +154,20 @@ def grouped_expert_products(
                               out_int32=True)
     token_ids = order.div(topk, rounding_mode="floor")
     rows = tokens.index_select(0, token_ids)  # [b * k, H]
+    expert_outputs = sorted_rows_products(rows, probs.flatten()[order], ends, fc1_weight, fc2_weight)
+    return _sum_per_token(tokens, token_ids, expert_outputs)
+
+
+def sorted_rows_products(
+    rows: torch.Tensor, probs: torch.Tensor, ends: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Rows [n, H] sorted by expert, expert e's ending at ends[e] (int32 [E], on the device), with routing
+    weights probs [n] -> each row's expert output [n, H] (``expert_mlp``'s math), as two grouped
+    products over the stacked weights: two kernels whatever the experts' loads."""
     gate, up = torch._grouped_mm(rows, fc1_weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     intermediate = F.silu(gate) * up
-    intermediate = (intermediate * probs.flatten()[order].unsqueeze(-1)).to(intermediate.dtype)
-    expert_outputs = torch._grouped_mm(intermediate, fc2_weight.transpose(1, 2), offs=ends)  # [b * k, H]
-    return _sum_per_token(tokens, token_ids, expert_outputs)
+    intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
+    return torch._grouped_mm(intermediate, fc2_weight.transpose(1, 2), offs=ends)
 
 
 def dense_expert_products(
@@ -211,6 +222,11 @@ class SkipEmptySequentialMLP(SequentialMLP, StacksWeights):
         (sums to n); permuted_probs [n] the routing weight of each row. Returns ([n, H], None)."""
         if not supports_fused_forward(self.config):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        rows = permuted_local_hidden_states
+        if not torch.is_grad_enabled() and self._stacked is not None and grouped_products_take(rows, *self._stacked):
+            # A rollout's step through Megatron's modules (TP, EP): two grouped products, no host sync.
+            ends = tokens_per_expert.to(device=rows.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            return sorted_rows_products(rows, permuted_probs, ends, *self._stacked), None
         fc1_weights, fc2_weights = self.expert_weights()
         return run_experts(
             permuted_local_hidden_states, tokens_per_expert.tolist(), permuted_probs, fc1_weights, fc2_weights,

@@ -37,15 +37,20 @@ def _lean_counts() -> list[tuple[int, int]]:
     config = model_config("tiny", num_experts=32, moe_router_topk=2)
     init_distributed(ParallelConfig(), seed=0)
     model = HybridModel(config, transformer_config(config, ParallelConfig(), init_method_std=0.3)).eval()
-    return [decode_ops.count_ours(model, slots, lean=True) for slots in (1, 16, 64)]
+    return {path: [decode_ops.count_ours(model, slots, lean=path == "lean") for slots in (1, 16, 64)]
+            for path in ("lean", "megatron")}
 
 
 def test_lean_decode_step_ops_are_few_fixed_and_sync_free():
+    """And through Megatron's modules (the path of TP, EP and Transformer Engine layers) the count does
+    not grow with the slots either: a rollout's experts run as two grouped products there too."""
     (counts,) = run_distributed(_lean_counts, 1)
-    ops = [count for count, _ in counts]
+    ops = [count for count, _ in counts["lean"]]
     assert max(ops) <= MAX_OPS_PER_LAYER, f"ops per layer at 1, 16, 64 slots: {ops}"
     assert max(ops) - min(ops) <= 1, f"ops per layer grow with the slots: {ops}"
-    assert [syncs for _, syncs in counts] == [0, 0, 0], f"host syncs per decode step: {counts}"
+    assert [syncs for _, syncs in counts["lean"]] == [0, 0, 0], f"host syncs per decode step: {counts}"
+    megatron = [count for count, _ in counts["megatron"]]
+    assert max(megatron) - min(megatron) <= 1, f"Megatron path's ops per layer at 1, 16, 64 slots: {megatron}"
 
 
 def test_planted_host_reads_are_caught():
