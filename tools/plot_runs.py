@@ -74,6 +74,13 @@ MARKER_COLUMNS: tuple[tuple[str, str], ...] = (
     (PROBE_CLIP_HIGH_TAG, "marker clipped high"),
     (PROBE_CLIP_LOW_TAG, "marker clipped low"),
 )
+# The table's environment columns (multi-turn runs): (tag, header), each the first and the last RL
+# step's value, shown when some run logs the tag.
+ENV_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("env/turns", "model turns per sample"),
+    ("env/tool_calls", "tool calls per sample"),
+    ("env/correct_tool_use", "correct tool use"),
+)
 # With the marker columns: the RL steps until the marker's start probability (logged every step) first
 # reaches this level, how fast each arm learns to take the branch.
 MARKER_LEVEL = 0.5
@@ -89,8 +96,9 @@ COUNTING_RULES = (
     "steps listed, and no mean is given. The ratio divides a group's mean by the reference group's "
     "(lower is faster); where the reference group is absent, a group <arm>_u<K> divides by "
     "<reference>_u<K> (the same updates per rollout K); it is left out where either was not reached by "
-    "every run. Final accuracy: the last evaluation of each run, mean +- sample standard deviation over "
-    "runs. Clip and mask fractions: fraction of response tokens, averaged over every update of every "
+    "every run. Start and final accuracy: the first (step 0, before RL) and the last evaluation of each "
+    "run, mean +- sample standard deviation over runs. Environment columns (multi-turn runs): the "
+    "rollout's mean per sample at the first RL step -> at the last, each the mean over runs. Clip and mask fractions: fraction of response tokens, averaged over every update of every "
     "step, then over runs. Marker clipped high/low (runs that log the probe): fraction of the probe's "
     "marker tokens clipped, averaged over the steps that sampled a marker, then over the runs that "
     "logged it ('-': none did). Steps to marker p: per run, the first RL step whose mean start "
@@ -252,6 +260,16 @@ def format_level_cell(result: LevelResult, ratio: float | None) -> str:
     return cell + (f" (x{ratio:.2f})" if ratio is not None else "")
 
 
+def format_first_to_last(series_per_run: Sequence[Series]) -> str:
+    """'first -> last': the series' first and last values, each the mean over the runs that logged it."""
+    logged = [series for series in series_per_run if series]
+    if not logged:
+        return "-"
+    first = sum(series[0][1] for series in logged) / len(logged)
+    last = sum(series[-1][1] for series in logged) / len(logged)
+    return f"{first:.2f} -> {last:.2f}"
+
+
 def format_percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.2f}%"
 
@@ -273,7 +291,9 @@ def comparison_table(
     all_runs = [run for runs in runs_by_group.values() for run in runs]
     markers = [(tag, name) for tag, name in MARKER_COLUMNS] if any(
         tag in run for run in all_runs for tag, _ in MARKER_COLUMNS) else []
-    header = ["arm", "runs", *level_headers, "final accuracy", "clipped high", "clipped low", "masked",
+    env_columns = [(tag, name) for tag, name in ENV_COLUMNS if any(tag in run for run in all_runs)]
+    header = ["arm", "runs", *level_headers, "start accuracy", "final accuracy", *(name for _, name in env_columns),
+              "clipped high", "clipped low", "masked",
               *(name for _, name in markers), *([f"steps to marker p {MARKER_LEVEL:g}"] if markers else [])]
     rows = [header, ["---"] * len(header)]
     results = {group: [level_result([run[ACCURACY_TAG] for run in runs], level) for level in levels]
@@ -282,10 +302,12 @@ def comparison_table(
         reference_results = results.get(reference_group(group, reference, groups))
         cells = [format_level_cell(result, speed_ratio(result, reference_results[index] if reference_results else None))
                  for index, result in enumerate(results[group])]
+        start_mean, start_std = mean_and_std([run[ACCURACY_TAG][0][1] for run in runs])
         final_mean, final_std = mean_and_std(final_values([run[ACCURACY_TAG] for run in runs]))
         masked = mean_fraction([run[MASK_TAG] for run in runs]) if all(MASK_TAG in run for run in runs) else None
         rows.append([
-            group, str(len(runs)), *cells, f"{final_mean:.3f} +- {final_std:.3f}",
+            group, str(len(runs)), *cells, f"{start_mean:.3f} +- {start_std:.3f}", f"{final_mean:.3f} +- {final_std:.3f}",
+            *(format_first_to_last([run.get(tag, []) for run in runs]) for tag, _ in env_columns),
             format_percent(mean_fraction([run[CLIP_HIGH_TAG] for run in runs])),
             format_percent(mean_fraction([run[CLIP_LOW_TAG] for run in runs])),
             format_percent(masked),

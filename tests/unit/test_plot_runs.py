@@ -176,8 +176,8 @@ def test_main_on_a_sweep_writes_the_curves_the_sweep_and_the_table(tmp_path, cap
         assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 10_000
     header, rows = _table_rows(table.read_text().split("\n\n")[0])
     assert list(rows) == ["cispo_u1", "cispo_u4", "dapo_u1", "dapo_u4"]
-    assert header == ["arm", "runs", "steps to 0.3 (x cispo_u<K>)", "steps to 0.5 (x cispo_u<K>)", "final accuracy",
-                      "clipped high", "clipped low", "masked", "marker clipped high", "marker clipped low",
+    assert header == ["arm", "runs", "steps to 0.3 (x cispo_u<K>)", "steps to 0.5 (x cispo_u<K>)", "start accuracy",
+                      "final accuracy", "clipped high", "clipped low", "masked", "marker clipped high", "marker clipped low",
                       "steps to marker p 0.5"]
     level_03, level_05 = header[2:4]
     assert rows["dapo_u1"][level_03] == "4.0 [4-4] (x2.00)" and rows["dapo_u4"][level_03] == "2.0 [2-2] (x1.00)"
@@ -196,3 +196,20 @@ def test_sweep_without_groups_named_by_k_is_an_error_before_anything_is_read(tmp
     error = capsys.readouterr().err
     assert error.startswith(f"error: --sweep {sweep}: no group is named <arm>_u<K> (groups: cispo, dapo)")
     assert not out.exists() and not sweep.exists()
+
+
+def test_start_accuracy_and_the_environment_columns_of_multi_turn_runs():
+    """Start accuracy is each run's step-0 evaluation (before RL); a multi-turn run's env/* series show
+    first -> last RL step, each the mean over the runs that logged them; runs without them get none."""
+    plain = {"cispo": [_run([(0, 0.1), (4, 0.3)]), _run([(0, 0.3), (4, 0.5)])]}
+    header, rows = _table_rows(plot_runs.comparison_table(plain, levels=[0.3]))
+    assert rows["cispo"]["start accuracy"] == "0.200 +- 0.141"
+    assert not any("tool" in column for column in header)
+    tools = {"rl": [_run([(0, 0.8), (10, 1.0)], env__tool_calls=[(1, 0.5), (10, 0.9)],
+                         env__correct_tool_use=[(1, 0.4), (10, 0.8)]),
+                    _run([(0, 0.6), (10, 1.0)], env__tool_calls=[(1, 0.7), (10, 1.0)],
+                         env__correct_tool_use=[(1, 0.6), (10, 1.0)])]}
+    header, rows = _table_rows(plot_runs.comparison_table(tools, levels=[0.9]))
+    assert rows["rl"]["tool calls per sample"] == "0.60 -> 0.95"
+    assert rows["rl"]["correct tool use"] == "0.50 -> 0.90"
+    assert rows["rl"]["start accuracy"] == "0.700 +- 0.141" and "model turns per sample" not in header
