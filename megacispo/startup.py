@@ -29,7 +29,7 @@ from megacispo.metrics.logger import check_logging
 from megacispo.models.config import check_precision_and_recompute, model_shape, parameter_counts
 from megacispo.models.routing import route_dtype
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
-from megacispo.parallel.layout import validate_layout, world_size_from_env
+from megacispo.parallel.layout import CONTEXT_PARALLEL_COMMS, validate_layout, world_size_from_env
 from megacispo.rl import adaptive_clip
 from megacispo.rl.losses import get_policy_loss, policy_loss_names, validate_policy_loss_params
 from megacispo.rollout.generate import GIB, rollout_cache_bytes
@@ -289,6 +289,7 @@ def check_config(config: Config) -> Config:
 def _check_context_parallel(config: Config) -> None:
     """What splitting every packed row over parallel.context_parallel_size ranks needs: packed rows, and
     nothing computed over a whole sequence in the loss (each rank holds pieces of sequences)."""
+    check_choice("parallel.context_parallel_comm", config.parallel.context_parallel_comm, CONTEXT_PARALLEL_COMMS)
     cp = config.parallel.context_parallel_size
     if cp == 1:
         return
@@ -313,6 +314,13 @@ def _check_context_parallel(config: Config) -> None:
             f"{field} with placement.rollout_ranks = {config.placement.rollout_ranks}: the CP ranks generate as "
             f"replicas of their own in the training processes; set placement.rollout_ranks = 0 or "
             f"parallel.context_parallel_size = 1"
+        )
+    if (config.parallel.context_parallel_comm == "p2p" and config.precision.params_dtype == "float32"
+            and torch.cuda.is_available()):
+        raise ValueError(
+            f"{field} with parallel.context_parallel_comm = p2p and precision.params_dtype = float32: the ring runs "
+            "CUDA's flash attention kernels, which take bfloat16 or float16; set precision.params_dtype=bfloat16 or "
+            "parallel.context_parallel_comm=all_gather"
         )
 
 

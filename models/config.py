@@ -499,6 +499,7 @@ def transformer_config(
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tp,
         sequence_parallel=parallel.sequence_parallel,
+        cp_comm_type=parallel.context_parallel_comm,
         # Full weights made on the CPU, then split: TP-invariant initialization where it is cheap
         # (the CPU runs: tests compare layouts from one seed); each GPU makes its own shard.
         use_cpu_initialization=run_device().type == "cpu",

@@ -6,9 +6,10 @@ scaled_dot_product_attention, row-parallel o_proj. A KV cache serves decoding.
 Packed rows (documents laid end to end in batch 1, packed_seq_params) attend causally within each
 document; ``attend_documents`` picks the kernel by device. Under context parallelism (a packed row
 whose packed_seq_params.cp_group is set, HybridModel's training forward at CP > 1) each rank holds
-its zigzag share of the row and attends through ``models.softmax_cp.attention_cp``: K and V of the
-whole row all-gathered over the CP group ([1, kv heads, N, d] each per rank), dK and dV
-reduce-scattered back. The Transformer Engine backend
+its zigzag share of the row and attends through ``models.softmax_cp``: K and V of the whole row
+all-gathered over the CP group ([1, kv heads, N, d] each per rank), dK and dV reduce-scattered back
+(``attention_cp``), or with parallel.context_parallel_comm = p2p passed round a ring of the CP ranks
+one block at a time (``attention_cp_ring``). The Transformer Engine backend
 (models/te_specs.py) swaps only the projections for TE linears, so its packed and context-parallel
 rows take the same paths.
 """
@@ -37,7 +38,7 @@ from megacispo.models.layers import (
     row_parallel_linear,
     stack_weights_as_views,
 )
-from megacispo.models.softmax_cp import attention_cp, document_causal_mask, masked_attention
+from megacispo.models.softmax_cp import attention_cp, attention_cp_ring, document_causal_mask, masked_attention
 from megacispo.parallel.context import packed_document_ids
 
 
@@ -153,8 +154,10 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
 
     def _attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_seq_params: PackedSeqParams):
         """This CP rank's zigzag tokens q [1, heads, s, d], k and v [1, kv heads, s, d] of a packed row
-        of s * CP tokens split over packed_seq_params.cp_group -> [1, heads, s, d]."""
-        return attention_cp(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.cp_group, self.head_dim**-0.5)
+        of s * CP tokens split over packed_seq_params.cp_group -> [1, heads, s, d], by the scheme of
+        parallel.context_parallel_comm (TransformerConfig.cp_comm_type): all_gather or p2p (a ring)."""
+        attend = attention_cp_ring if self.config.cp_comm_type == "p2p" else attention_cp
+        return attend(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.cp_group, self.head_dim**-0.5)
 
     def _heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[s, b, heads * d] -> [b, heads, s, d]."""

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import torch
 
 
+# parallel.context_parallel_comm's choices, Megatron-Core's names (TransformerConfig.cp_comm_type).
+CONTEXT_PARALLEL_COMMS = ("all_gather", "p2p")
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """How the model and the data are split across processes."""
@@ -34,6 +38,8 @@ class ParallelConfig:
     """Shard norms, residuals and dropout along the sequence across the TP group (needs TP > 1)."""
     context_parallel_size: int = 1
     """CP: each packed row of the training passes is split over this many ranks (zigzag chunks), which hold the same weights."""
+    context_parallel_comm: str = "all_gather"
+    """How softmax layers see the other CP ranks' keys: all_gather (the whole row's K and V at once) or p2p (a ring, one block at a time)."""
     distributed_timeout_minutes: int = 30
     """A collective that waits longer than this fails instead of hanging."""
 

@@ -1,8 +1,8 @@
 """The tiny model under context parallelism gives the one-process loss, gradients and parameters on
 one packed row, in real gloo processes through Megatron's schedule, DDP and finalize_model_grads;
 fp32, 1e-5. Each CP rank holds its zigzag share of the row; lightning layers exchange chunk states,
-softmax layers all-gather K and V. Layouts: CP = 2, CP = 4 (chunks of 6 tokens, documents over 3+
-chunks), CP x TP (TP = 2 with sequence parallelism: each rank's share split again along the
+softmax layers all-gather K and V (or pass them round a ring: CP = 4 with context_parallel_comm = p2p).
+Layouts: CP = 2, CP = 4 (chunks of 6 tokens, documents over 3+ chunks), CP x TP (TP = 2 with sequence parallelism: each rank's share split again along the
 sequence), CP x EP and CP x PP (the stages pass [N / CP, 1, H] activations).
 
 The row of 48 tokens holds documents of odd lengths and a trailing padding pseudo-document, laid so
@@ -161,6 +161,8 @@ def reference(tmp_path_factory):
 LAYOUTS = {
     "cp2": ({"context_parallel_size": 2}, 2, "none"),
     "cp4": ({"context_parallel_size": 4}, 4, "none"),
+    # The softmax layers' K and V passed round a ring instead of all-gathered.
+    "cp4_ring": ({"context_parallel_size": 4, "context_parallel_comm": "p2p"}, 4, "none"),
     "cp2_tp2_sp": (
         {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 4, "none"
     ),

@@ -1,6 +1,7 @@
-"""Context-parallel softmax attention (models.softmax_cp.attention_cp) in real gloo processes against
-one process's attention over the whole packed row (softmax_attention.attend_documents), in fp64:
-the outputs and the gradients of q, k and v of every rank's zigzag tokens.
+"""Context-parallel softmax attention in real gloo processes against one process's attention over the
+whole packed row (softmax_attention.attend_documents), in fp64: the outputs and the gradients of q, k
+and v of every rank's zigzag tokens, for both schemes: K and V all-gathered (models.softmax_cp.
+attention_cp) and passed round a ring (attention_cp_ring).
 
 The row of 48 tokens holds documents of odd lengths and a trailing padding document, laid so that
 at CP = 2 (chunks of 12) and CP = 4 (chunks of 6) documents cross chunk and rank boundaries and
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megacispo.models.softmax_attention import attend_documents
-from megacispo.models.softmax_cp import attention_cp
+from megacispo.models.softmax_cp import attention_cp, attention_cp_ring, ring_pieces
 from megacispo.parallel.context import packed_document_ids, zigzag_positions
 from megacispo.parallel.layout import ParallelConfig, init_distributed
 from megacispo.testing.harness import run_distributed
@@ -36,19 +37,23 @@ def _row() -> dict[str, torch.Tensor]:
     return dict(q=draw(HEADS), k=draw(KV_HEADS), v=draw(KV_HEADS), upstream=draw(HEADS), cu_seqlens=cu_seqlens)
 
 
-def _cp_rank() -> dict[str, torch.Tensor]:
-    """One CP rank: its zigzag tokens of the row through attention_cp, forward and backward."""
+SCHEMES = {"all_gather": attention_cp, "p2p": attention_cp_ring}
+
+
+def _cp_rank(scheme: str) -> dict[str, torch.Tensor]:
+    """One CP rank: its zigzag tokens of the row through ``scheme``'s attention, forward and backward."""
     init_distributed(ParallelConfig(), seed=0)
     row = _row()
     positions = zigzag_positions(TOTAL, dist.get_world_size(), dist.get_rank())
     q, k, v = (row[name][:, :, positions].clone().requires_grad_(True) for name in ("q", "k", "v"))
-    out = attention_cp(q, k, v, row["cu_seqlens"], dist.group.WORLD, SCALE)
+    out = SCHEMES[scheme](q, k, v, row["cu_seqlens"], dist.group.WORLD, SCALE)
     out.backward(row["upstream"][:, :, positions])
     return dict(positions=positions, out=out.detach(), q=q.grad, k=k.grad, v=v.grad)
 
 
+@pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_attention_cp_matches_one_process(cp_size):
+def test_attention_cp_matches_one_process(cp_size, scheme):
     row = _row()
     chunks = torch.arange(TOTAL) // (TOTAL // (2 * cp_size))
     documents = packed_document_ids(row["cu_seqlens"], torch.arange(TOTAL))
@@ -59,7 +64,7 @@ def test_attention_cp_matches_one_process(cp_size):
     out.backward(row["upstream"])
     expected = dict(out=out.detach(), q=q.grad, k=k.grad, v=v.grad)
 
-    ranks = run_distributed(_cp_rank, cp_size, timeout_s=120)
+    ranks = run_distributed(_cp_rank, cp_size, scheme, timeout_s=120)
     covered = torch.cat([rank["positions"] for rank in ranks]).sort().values
     assert torch.equal(covered, torch.arange(TOTAL))
     for rank in ranks:
@@ -70,3 +75,23 @@ def test_attention_cp_matches_one_process(cp_size):
 def test_zigzag_positions_reject_a_row_that_does_not_split():
     with pytest.raises(ValueError, match="a multiple of 2 \\* 4 = 8; pad the row to 56 tokens"):
         zigzag_positions(50, 4, 0)
+
+
+def test_ring_pieces_cover_each_query_once_per_visible_key():
+    """Over the CP steps of the ring, the pieces of every rank cover exactly the (query, key) pairs of the
+    causal document mask, each once: at CP = 4, brute force over the 48 x 48 pairs."""
+    row = _row()
+    offsets = row["cu_seqlens"].tolist()
+    documents = packed_document_ids(row["cu_seqlens"], torch.arange(TOTAL))
+    cp_size, chunk = 4, TOTAL // 8
+    seen = torch.zeros(TOTAL, TOTAL, dtype=torch.long)
+    for rank in range(cp_size):
+        mine = zigzag_positions(TOTAL, cp_size, rank)
+        for source in range(cp_size):
+            theirs = zigzag_positions(TOTAL, cp_size, source)
+            for queries, keys, causal in ring_pieces(offsets, chunk, cp_size, rank, source):
+                for i, query in enumerate(mine[queries].tolist()):
+                    for j, key in enumerate(theirs[keys].tolist()):
+                        seen[query, key] += int(not causal or j <= i)
+    expected = (documents[:, None] == documents[None, :]) & (torch.arange(TOTAL)[None, :] <= torch.arange(TOTAL)[:, None])
+    assert torch.equal(seen, expected.long())
