@@ -41,7 +41,9 @@ def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
     """The metrics of megacispo.evaluation.evaluator on every rank, rewarded by rl.reward (and env.name's
     environment, as a run's rollouts are)."""
     scoring = Scoring(get_reward_fn(config.rl.reward), config.rl.failure_reward, config.rl.reward_timeout_s)
-    return Evaluator(model, tokenizer, records, parallel_state.get_data_parallel_group(), settings=config.eval,
+    # Over DP x CP: decoding never splits a sequence, so each CP rank takes test prompts of its own.
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return Evaluator(model, tokenizer, records, dp_cp, settings=config.eval,
                      rollout=config.rollout, seed=config.train.seed, scoring=scoring,
                      environments=Environments.build(config.env, tokenizer, config.data.chat_template)).run()
 

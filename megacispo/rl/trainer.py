@@ -669,8 +669,9 @@ class Trainer:
         """The held-out metrics of the eval section (megacispo.evaluation.evaluator): greedy accuracy, pass@k and
         mean@k; empty without data.test_prompts."""
         config = self.config
-        return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.dp_group, settings=config.eval,
-                         rollout=config.rollout, seed=config.train.seed, scoring=self.scoring,
+        # Over DP x CP: decoding never splits a sequence, so each CP rank takes test prompts of its own.
+        return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.engine.groups.dp_cp,
+                         settings=config.eval, rollout=config.rollout, seed=config.train.seed, scoring=self.scoring,
                          environments=self.environments, interrupt=self._abandon_if_stopped).run()
 
     def _log_evaluation(self, extra: dict[str, float] | None = None) -> float:

@@ -127,9 +127,11 @@ def _overrides(workspace: Path, run_dir: Path) -> list[str]:
 
 def _evaluate(overrides: list[str]) -> dict:
     """megacispo.eval's steps in this world; on DP rank 0 also the greedy accuracy as Trainer.evaluate
-    computed it before this module (all prompts in one greedy batch, early truncation as configured)."""
+    computed it before this module (all prompts in one greedy batch, early truncation as configured);
+    ``decoded/samples``: the samples this rank decoded."""
     from megatron.core import parallel_state
 
+    import megacispo.evaluation.evaluator as evaluator
     from megacispo.evaluation.run import evaluate, load_model
     from megacispo.evaluation.source import weights_source
     from megacispo.parallel.layout import init_distributed
@@ -141,8 +143,18 @@ def _evaluate(overrides: list[str]) -> dict:
     records, _ = load_rl_prompt_file(config, tokenizer, "test_prompts")
     init_distributed(config.parallel, config.train.seed)
     model = load_model(config, source)
+    decoded = []
+    sample_and_score = evaluator.sample_and_score
+
+    def counting(model, records, *args, **kwargs):
+        decoded.append(len(records))
+        return sample_and_score(model, records, *args, **kwargs)
+
+    evaluator.sample_and_score = counting
     metrics = evaluate(config, model, tokenizer, records)
-    if parallel_state.get_data_parallel_world_size() == 1:
+    evaluator.sample_and_score = sample_and_score
+    metrics["decoded/samples"] = float(sum(decoded))
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1:
         metrics["legacy/accuracy"] = _legacy_greedy_accuracy(config, model, tokenizer, records)
     parallel_state.destroy_model_parallel()
     return metrics
@@ -171,7 +183,7 @@ def single_rank_metrics(workspace) -> dict:
 def test_metrics_are_consistent(single_rank_metrics):
     metrics = single_rank_metrics
     expected = {"eval/accuracy", "eval/greedy_response_length_mean", "eval/pass@1", "eval/pass@2", "eval/pass@4",
-                f"eval/mean@{NUM_SAMPLES}", "eval/response_length_mean", "legacy/accuracy"}
+                f"eval/mean@{NUM_SAMPLES}", "eval/response_length_mean", "legacy/accuracy", "decoded/samples"}
     assert set(metrics) == expected
     mean = metrics[f"eval/mean@{NUM_SAMPLES}"]
     assert 0 < mean < 1, f"{REWARD} should split a random model's samples"
@@ -185,10 +197,24 @@ def test_two_data_parallel_ranks_give_the_same_metrics(workspace, single_rank_me
     """7 prompts over 2 ranks, 4 on one and 3 on the other, with the experts split over them (EP = 2:
     the ranks decode in lockstep, the one with fewer samples idling until the other is done)."""
     overrides = _overrides(workspace, workspace / "run") + ["parallel.expert_model_parallel_size=2"]
-    results = run_distributed(_evaluate, 2, overrides)
+    results = [_eval_metrics(result) for result in run_distributed(_evaluate, 2, overrides)]
     assert results[0] == results[1]
-    expected = {key: value for key, value in single_rank_metrics.items() if key.startswith("eval/")}
-    assert results[0] == pytest.approx(expected, rel=1e-12)
+    assert results[0] == pytest.approx(_eval_metrics(single_rank_metrics), rel=1e-12)
+
+
+def test_context_parallel_ranks_share_the_prompts(workspace, single_rank_metrics):
+    """CP = 2: decoding never splits a sequence, so the two CP ranks of the one model replica take 4 and 3
+    of the 7 prompts (not all 7 each) and give the one process's metrics."""
+    overrides = _overrides(workspace, workspace / "run") + ["parallel.context_parallel_size=2"]
+    results = run_distributed(_evaluate, 2, overrides)
+    one_rank = single_rank_metrics["decoded/samples"]
+    assert sorted(r["decoded/samples"] for r in results) == [one_rank * 3 / 7, one_rank * 4 / 7]
+    for result in results:
+        assert _eval_metrics(result) == pytest.approx(_eval_metrics(single_rank_metrics), rel=1e-12)
+
+
+def _eval_metrics(metrics: dict) -> dict:
+    return {key: value for key, value in metrics.items() if key.startswith("eval/")}
 
 
 def test_a_rank_without_prompts_decodes_in_lockstep(workspace, tmp_path):
@@ -199,7 +225,7 @@ def test_a_rank_without_prompts_decodes_in_lockstep(workspace, tmp_path):
     overrides = _overrides(workspace, tmp_path / "run") + [f"data.test_prompts={one_prompt}",
                                                            "parallel.expert_model_parallel_size=2"]
     first, second = run_distributed(_evaluate, 2, overrides, timeout_s=120)
-    assert first == second
+    assert _eval_metrics(first) == _eval_metrics(second)
     assert first["eval/accuracy"] in (0.0, 1.0) and first["eval/pass@4"] in (0.0, 1.0)
 
 
@@ -213,8 +239,7 @@ def test_hugging_face_directory_evaluates_alike_in_any_layout(workspace, tmp_pat
     (single,) = run_distributed(_evaluate, 1, overrides)
     split = run_distributed(_evaluate, 2, overrides + ["parallel.expert_model_parallel_size=2"])
     assert 0 < single[f"eval/mean@{NUM_SAMPLES}"] < 1
-    expected = {key: value for key, value in single.items() if key.startswith("eval/")}
-    assert split[0] == split[1] == pytest.approx(expected, rel=1e-12)
+    assert _eval_metrics(split[0]) == _eval_metrics(split[1]) == pytest.approx(_eval_metrics(single), rel=1e-12)
 
 
 def _fit(overrides: list[str]) -> dict[str, float]:
