@@ -94,13 +94,12 @@ distributed optimizer shards over DP x CP. On top of that, per layer and micro-b
                     of a document that began on an earlier chunk, all of them on a long
                     sequence); the 2 CP all-gathered chunk states, held during the layer. None of
                     this grows with the length beyond the per-token query.
-    softmax         K and V are all-gathered over the CP group: the layer keeps the WHOLE
-                    sequence's keys and values of its kv_heads/TP heads, a 2 W_kv/TP per token of
-                    seq_len, not divided by CP (the queries, the output and the log-sum-exp are
-                    the rank's). Scores per the kernel: none, as flash kernels keep them
-                    (models/softmax_cp.py runs SDPA's causal kernel on each document piece, with
-                    zero queries for the document's earlier tokens: linear in the length too,
-                    those queries' outputs not counted here).
+    softmax         all_gather (parallel.context_parallel_comm): K and V are all-gathered over the
+                    CP group, the layer keeps the WHOLE sequence's keys and values of its
+                    kv_heads/TP heads, a 2 W_kv/TP per token of seq_len, not divided by CP (the
+                    queries, the output and the log-sum-exp are the rank's); p2p (a ring, --cp-comm
+                    p2p): the rank's own keys and values only, the blocks passing through are not
+                    kept. Scores: none, as flash kernels keep them (models/softmax_cp.py).
 
 Pipeline: 1F1B without interleaving; stage p holds min(PP - p, micro-batches) micro-batches in
 flight, so the first stage holds PP and the last stage one (plus the LM head).
@@ -133,7 +132,7 @@ from megacispo.models.config import (
     model_shape,
 )
 from megacispo.models.lightning import CHUNK_TOKENS
-from megacispo.parallel.layout import ParallelConfig, validate_layout
+from megacispo.parallel.layout import CONTEXT_PARALLEL_COMMS, ParallelConfig, validate_layout
 from megacispo.parallel.vocab_parallel import LOGITS_KEEP_BYTES, LOGITS_TILE_BYTES
 from megacispo.rollout.generate import rollout_cache_bytes
 from megacispo.startup import bad_input_exits
@@ -234,6 +233,7 @@ class _Dims:
     etp: int
     sp: int  # TP under sequence parallelism, else 1: the split of the hidden states between layers
     cp: int
+    ring: bool  # CP's softmax K and V round a ring (parallel.context_parallel_comm = p2p), not all-gathered
     row_len: int  # a sequence's tokens, padded to a multiple of 2 CP under context parallelism
     micro_batch: int
     gemm_input_bytes: int
@@ -351,9 +351,12 @@ def _softmax_items(dims: _Dims) -> list[ActivationItem]:
     local_width, local_kv_width = dims.width / dims.tp, dims.kv_width / dims.tp
     local_heads = model.num_attention_heads / dims.tp
     query = tokens * a * local_width
-    # Under CP the keys and values are all-gathered: every rank keeps the whole sequence's.
-    keys_values = dims.micro_batch * dims.row_len * a * 2 * local_kv_width
-    kv_name = "k, v after RoPE" if dims.cp == 1 else "CP: k, v of the whole sequence (all-gathered)"
+    # All-gathered under CP, every rank keeps the whole sequence's keys and values; a ring keeps its own.
+    if dims.cp == 1 or dims.ring:
+        keys_values, kv_name = tokens * a * 2 * local_kv_width, "k, v after RoPE"
+    else:
+        keys_values = dims.micro_batch * dims.row_len * a * 2 * local_kv_width
+        kv_name = "CP: k, v of the whole sequence (all-gathered)"
     return [
         ActivationItem("q after RoPE (attention input)", query, query),
         ActivationItem(kv_name, keys_values, keys_values),
@@ -485,7 +488,7 @@ def stage_plans(
     cp = parallel.context_parallel_size
     dims = _Dims(
         model=model, tp=tp, etp=parallel.expert_tp, sp=tp if parallel.sequence_parallel else 1,
-        cp=cp, row_len=row_length(seq_len, cp), micro_batch=micro_batch,
+        cp=cp, ring=parallel.context_parallel_comm == "p2p", row_len=row_length(seq_len, cp), micro_batch=micro_batch,
         gemm_input_bytes=1 if precision == "fp8" else ACTIVATION_BYTES,
     )
     dp = parallel.data_parallel_size(world_size)
@@ -703,6 +706,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--cp", type=int, default=1,
                         help="context-parallel size (parallel.context_parallel_size): each sequence is split over "
                              "this many ranks")
+    layout.add_argument("--cp-comm", default="all_gather", choices=CONTEXT_PARALLEL_COMMS,
+                        help="parallel.context_parallel_comm: how softmax layers see the other CP ranks' keys")
     layout.add_argument("--dp", type=_at_least_one, default=1, help="data-parallel size")
     layout.add_argument("--sequence-parallel", action="store_true", help="shard norms and residuals over TP")
     batch = parser.add_argument_group("batch")
@@ -755,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
-        sequence_parallel=args.sequence_parallel, context_parallel_size=args.cp,
+        sequence_parallel=args.sequence_parallel, context_parallel_size=args.cp, context_parallel_comm=args.cp_comm,
     )
     world_size = parallel.model_parallel_size * args.dp
     options = dict(
