@@ -215,12 +215,13 @@ def _compiled_rollout() -> dict:
     """A sampled rollout (6 prompts of 3-20 tokens, 4 slots: refills, and shrinks to 2 and 1 row as the
     tail finishes) with the compiled lean step and eagerly, in fp64. The compiled step runs through a
     backend that counts its compilations (dynamo decides them; inductor would only make them slower
-    to test), and every decode step's rows and span are recorded: the shapes a captured step sees,
+    to test), the draw through dynamo's eager backend, and every decode step's rows and span are recorded: the shapes a captured step sees,
     one CUDA graph each."""
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel, _lean_step_guards
     from megacispo.parallel.layout import ParallelConfig, init_distributed
     from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout import generate as generate_module
     from megacispo.rollout.generate import generate, sample_keys
 
     config = model_config("tiny")
@@ -235,6 +236,8 @@ def _compiled_rollout() -> dict:
 
     model._compiled_lean = torch.compile(model._lean_stage, backend=counting_backend, fullgraph=True,
                                          options={"guard_filter_fn": _lean_step_guards})
+    draw = torch.compile(generate_module.draw_tokens, backend="eager", fullgraph=True)
+    generate_module.compiled_draw = lambda cuda: draw  # inductor's draw: test_rollout_precision
     decode_forward = model._decode_forward
 
     def recording(input_ids, *args, lean_span=None, **kwargs):
