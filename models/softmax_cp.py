@@ -170,7 +170,8 @@ def ring_pieces(offsets: list[int], chunk: int, cp_size: int, rank: int, source:
                     continue
                 queries = slice(query_slot * chunk + q_start - query_chunk * chunk,
                                 query_slot * chunk + q_end - query_chunk * chunk)
-                keys = slice(key_slot * chunk + k_start - key_chunk * chunk, key_slot * chunk + k_end - key_chunk * chunk)
+                keys = slice(key_slot * chunk + k_start - key_chunk * chunk,
+                             key_slot * chunk + k_end - key_chunk * chunk)
                 pieces.append((queries, keys, key_chunk == query_chunk))
     return pieces
 

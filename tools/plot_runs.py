@@ -306,7 +306,8 @@ def comparison_table(
         final_mean, final_std = mean_and_std(final_values([run[ACCURACY_TAG] for run in runs]))
         masked = mean_fraction([run[MASK_TAG] for run in runs]) if all(MASK_TAG in run for run in runs) else None
         rows.append([
-            group, str(len(runs)), *cells, f"{start_mean:.3f} +- {start_std:.3f}", f"{final_mean:.3f} +- {final_std:.3f}",
+            group, str(len(runs)), *cells,
+            f"{start_mean:.3f} +- {start_std:.3f}", f"{final_mean:.3f} +- {final_std:.3f}",
             *(format_first_to_last([run.get(tag, []) for run in runs]) for tag, _ in env_columns),
             format_percent(mean_fraction([run[CLIP_HIGH_TAG] for run in runs])),
             format_percent(mean_fraction([run[CLIP_LOW_TAG] for run in runs])),

@@ -342,9 +342,10 @@ class Trainer:
         return batch, metrics
 
     def _sample(self, records: list[PromptRecord]) -> tuple[Samples, RewardScores, list[dict[str, float]]]:
-        """This rank's samples of ``records``, their rewards and (multi-turn) each one's env/* counts. The CP ranks of a data-parallel rank share its records: each generates and
-        scores its own 1/CP of them, as a generation replica of its own (decoding does not split
-        sequences), and they exchange the samples."""
+        """This rank's samples of ``records``, their rewards and (multi-turn) each one's env/* counts. The
+        CP ranks of a data-parallel rank share its records: each generates and scores its own 1/CP of
+        them, as a generation replica of its own (decoding does not split sequences), and they exchange
+        the samples."""
         rollout, cp = self.config.rollout, self.engine.groups.cp
         share = len(records) // cp.size()
         mine = slice(cp.rank() * share, (cp.rank() + 1) * share)

@@ -215,8 +215,8 @@ def _compiled_rollout() -> dict:
     """A sampled rollout (6 prompts of 3-20 tokens, 4 slots: refills, and shrinks to 2 and 1 row as the
     tail finishes) with the compiled lean step and eagerly, in fp64. The compiled step runs through a
     backend that counts its compilations (dynamo decides them; inductor would only make them slower
-    to test), the draw through dynamo's eager backend, and every decode step's rows and span are recorded: the shapes a captured step sees,
-    one CUDA graph each."""
+    to test), the draw through dynamo's eager backend, and every decode step's rows and span are
+    recorded: the shapes a captured step sees, one CUDA graph each."""
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel, _lean_step_guards
     from megacispo.parallel.layout import ParallelConfig, init_distributed

@@ -93,5 +93,6 @@ def test_ring_pieces_cover_each_query_once_per_visible_key():
                 for i, query in enumerate(mine[queries].tolist()):
                     for j, key in enumerate(theirs[keys].tolist()):
                         seen[query, key] += int(not causal or j <= i)
-    expected = (documents[:, None] == documents[None, :]) & (torch.arange(TOTAL)[None, :] <= torch.arange(TOTAL)[:, None])
+    positions = torch.arange(TOTAL)
+    expected = (documents[:, None] == documents[None, :]) & (positions[None, :] <= positions[:, None])
     assert torch.equal(seen, expected.long())
