@@ -315,13 +315,6 @@ def _check_context_parallel(config: Config) -> None:
             f"replicas of their own in the training processes; set placement.rollout_ranks = 0 or "
             f"parallel.context_parallel_size = 1"
         )
-    if (config.parallel.context_parallel_comm == "p2p" and config.precision.params_dtype == "float32"
-            and torch.cuda.is_available()):
-        raise ValueError(
-            f"{field} with parallel.context_parallel_comm = p2p and precision.params_dtype = float32: the ring runs "
-            "CUDA's flash attention kernels, which take bfloat16 or float16; set precision.params_dtype=bfloat16 or "
-            "parallel.context_parallel_comm=all_gather"
-        )
 
 
 def _check_environment(config: Config) -> None:
