@@ -1,20 +1,17 @@
 """The loss comparison tooling: the table logic of tools/plot_runs.py on hand-made series (steps to
 reach a level, ratios, runs that never reach it, final accuracy, clip fractions), its errors on bad
-input, the PNG and table from logged runs, and examples/compare_losses.sh end to end at tiny sizes:
-its fork task (TASK=fork) followed by examples/compare_adaptive_clip.sh on the same runs. The addition
-task with every loss, rerun to check finished runs are kept: tests/slow/test_compare_losses.py."""
+input, the PNG and table from logged runs. examples/compare_losses.sh and compare_adaptive_clip.sh end
+to end: tests/slow/test_compare_losses.py."""
 
 from __future__ import annotations
 
 import statistics
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from megacispo.metrics.logger import MetricsLogger
-from megacispo.rl.losses import get_policy_loss
-from megacispo.testing.loss_comparison import PNG_SIGNATURE, REPO, run_config, run_script, script_env, table_rows
+from megacispo.testing.loss_comparison import PNG_SIGNATURE, table_rows
 from megacispo.testing.tool_modules import load_tool
 
 plot_runs = load_tool("plot_runs")
@@ -170,48 +167,3 @@ def test_logged_runs_give_a_png_and_the_table(tmp_path, capsys):
     assert rows["dapo"]["clipped high"] == f"{100 * (0.01 + 0.03 + 0.01 + 0.05) / 4:.2f}%"
     printed = capsys.readouterr().out
     assert table.read_text().split("\n\n")[0] in printed and plot_runs.COUNTING_RULES in table.read_text()
-
-
-# ---------------------------------------------------------------------------------------------
-# The script end to end (the short version of the comparison)
-# ---------------------------------------------------------------------------------------------
-
-
-def test_fork_comparison_then_the_adaptive_clip_comparison_on_its_runs(tmp_path):
-    """TASK=fork: the branch measurement of the SFT start, the probe's metrics, two arms at two
-    updates-per-rollout values and the sweep figure; then examples/compare_adaptive_clip.sh on the
-    same directory: the fixed caps and the adaptive targets as arms, the plain cispo run and the SFT
-    start kept, the adapted bound logged and moving."""
-    from megacispo.metrics.logger import read_scalars
-
-    run_dir = tmp_path / "fork"
-    env = script_env(run_dir, TASK="fork", ARMS="cispo dapo", UPDATES="1 2")
-    run_script(env, tmp_path)
-    branches = (run_dir / "branches.txt").read_text()
-    assert "worked branch accuracy" in branches and "marker probability at the response's start" in branches
-    rows = table_rows((run_dir / "table.md").read_text().split("\n\n")[0])
-    assert list(rows) == ["cispo_u1", "dapo_u1", "cispo_u2", "dapo_u2"]
-    assert "marker clipped high" in next(iter(rows.values()))
-    for name in ("compare_u1.png", "compare_u2.png", "sweep.png"):
-        assert (run_dir / name).read_bytes()[:8] == PNG_SIGNATURE, name
-    config = run_config(run_dir / "dapo_u2_seed0")
-    assert config["rl"]["loss"]["name"] == "dapo" and config["rl"]["loss"]["params"] == get_policy_loss("dapo").param_defaults
-    assert config["rl"]["reward"] == "numeric" and config["logging"]["metric_hooks"] == {"probe_token": {"token": "~"}}
-    start_prob = read_scalars(run_dir / "dapo_u1_seed0")["probe/start_prob"]
-    assert [step for step, _ in start_prob] == [1, 2] and all(0 < value < 1 for _, value in start_prob)
-
-    env.update(TASKS="fork", UPDATES="2")
-    del env["ARMS"], env["TASK"]
-    result = subprocess.run(["bash", str(REPO / "examples" / "compare_adaptive_clip.sh")], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "kept cispo_u2_seed0" in result.stdout
-    assert not any(stage in result.stdout for stage in ("== task data", "== shared SFT", "== the fork on the SFT"))
-    rows = table_rows((run_dir / "adaptive_clip" / "table.md").read_text().split("\n\n")[0])
-    assert list(rows) == [f"{arm}_u2" for arm in ("cispo_cap1.2", "cispo_cap2", "cispo", "cispo_cap8",
-                                                  "cispo_target0.001", "cispo_target0.01")]
-    assert (run_dir / "adaptive_clip" / "compare_u2.png").read_bytes()[:8] == PNG_SIGNATURE
-    assert run_config(run_dir / "cispo_cap1.2_u2_seed0")["rl"]["loss"]["params"]["eps_high"] == 0.2
-    assert run_config(run_dir / "cispo_target0.01_u2_seed0")["rl"]["adaptive_clip"]["target_capped_frac"] == 0.01
-    bound = [value for _, value in read_scalars(run_dir / "cispo_target0.01_u2_seed0")["loss/eps_high_current"]]
-    assert len(bound) == 2 and bound[0] != bound[1] != 4.0
