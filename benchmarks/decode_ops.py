@@ -48,6 +48,7 @@ def count_ours(model, slots: int, lean: bool) -> tuple[int, int]:
     model.lean_decode = lean
     with model.generation_dtype(torch.float32), model.recording_routes():
         logits, cache = model.prefill(input_ids, mask)
+        cache.rows_agree = True  # every rank decodes `slots` rows, as a rollout's lockstep group agrees
         model.decode_step(logits.argmax(-1), cache)  # the first step may allocate what later steps reuse
         counter = OpCounter()
         with counter, counting_layers(counter, list(model.decoder.layers), "step" if lean else "forward"):
@@ -96,6 +97,30 @@ def measure(slot_counts: list[int], experts: int) -> list[tuple]:
              count_hf(hf_model, slots)) for slots in slot_counts]
 
 
+def measure_parallel(slot_counts: list[int], experts: int, layout: dict) -> list[tuple]:
+    """Both decode paths of the same model under a multi-process ``layout`` (random weights: the counts
+    do not depend on them), this rank's ops."""
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    config = model_config("tiny", num_experts=experts, moe_router_topk=2)
+    parallel = ParallelConfig(**layout)
+    init_distributed(parallel, seed=0)
+    model = HybridModel(config, transformer_config(config, parallel)).eval()
+    return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=False)) for slots in slot_counts]
+
+
+# The multi-process layouts counted beside a world of one (sequence parallelism, off in decode steps).
+PARALLEL_LAYOUTS = {
+    "TP 2 (expert TP 2: each rank a shard of every expert)":
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "EP 2 (16 experts a rank)": {"expert_model_parallel_size": 2},
+    "TP 2 + EP 2 (expert TP 1)": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                  "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 16, 64])
@@ -108,6 +133,13 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for slots, (lean, lean_syncs), (megatron, megatron_syncs), (hf, hf_syncs) in rows:
         print(f"| {slots} | {lean} | {megatron} | {hf} | {lean_syncs} | {megatron_syncs} | {hf_syncs} |")
+    for name, layout in PARALLEL_LAYOUTS.items():
+        rows = run_distributed(measure_parallel, 2, args.slots, args.experts, layout, timeout_s=600.0)[0]
+        print(f"\n{name}, 2 processes, rank 0; collectives counted as ops\n")
+        print("| slots | lean | megatron | lean syncs | megatron syncs |")
+        print("|---:|---:|---:|---:|---:|")
+        for slots, (lean, lean_syncs), (megatron, megatron_syncs) in rows:
+            print(f"| {slots} | {lean} | {megatron} | {lean_syncs} | {megatron_syncs} |")
 
 
 if __name__ == "__main__":

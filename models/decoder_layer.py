@@ -168,7 +168,7 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, moe_out)
 
     def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
-        """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
+        """One token per sequence, for HybridModel.decode_step: hidden [b, H] (every TP rank the same) -> [b, H],
         what forward computes for a one-token decode step, through the mixer's and the MoE's
         ``step`` (no Megatron linears, router or token dispatcher in this process). ``attention``:
         what the step's softmax layers share (``AttentionStep``; None in a model without them)."""
@@ -176,7 +176,7 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         mixed = self.self_attention.step(normed, cache, attention)
         hidden = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
         normed = self.pre_mlp_layernorm.step(hidden)
-        return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, self.mlp.step(normed))
+        return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, self.mlp.step(normed, cache.rows_agree))
 
 
 def scaled_residual(alpha: float, normed: torch.Tensor, beta: float, update: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,9 @@ permute / sort / unpermute bookkeeping cost a CPU decode step about as much as t
 ``step`` (HybridModel's lean decode step, one token per sequence) also does the router's math
 itself, as TopKRouter computes it for this model's configuration, without the router module's
 autograd function and [tokens, experts] routing map; one sequence runs just its top-k experts.
+Under tensor parallelism (EP = 1) the step needs no dispatcher either: a decode step's tokens are the
+same on every attention TP rank, so each runs its expert-TP shard of every expert on them and the
+partial outputs are added over the expert TP group (one all-reduce).
 The experts of a step are computed by the op ``megacispo::decode_experts`` from the experts'
 stacked weights (``stacked_weights``: HybridModel.generation_dtype stacks them once per rollout) as
 a fixed number of ops with no host sync, whatever the routing: grouped products
@@ -47,6 +50,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -142,20 +146,42 @@ def grouped_products_take(tokens: torch.Tensor, fc1_weight: torch.Tensor, fc2_we
 
 def grouped_expert_products(
     tokens: torch.Tensor, probs: torch.Tensor, top_experts: torch.Tensor, fc1_weight: torch.Tensor,
-    fc2_weight: torch.Tensor,
+    fc2_weight: torch.Tensor, *, elsewhere: bool = False,
 ) -> torch.Tensor:
     """decode_experts through grouped products: Megatron's permutation (expert-major rows, token order
     within an expert: a stable sort of the token-major (token, slot) pairs by expert), each expert's
-    rows multiplied by its weights in one ``torch._grouped_mm`` per projection, then index_add_."""
-    topk = top_experts.shape[1]
+    rows multiplied by its weights in one ``torch._grouped_mm`` per projection, then index_add_.
+    ``elsewhere``: top_experts may hold E (another rank's expert, ``local_expert_products``); those
+    rows sort last, past every group, so no product computes them, and their sums go to a scratch row."""
+    topk, num_experts = top_experts.shape[1], fc1_weight.shape[0]
     sorted_experts, order = torch.sort(top_experts.flatten(), stable=True)  # [b * k]
     # Where each expert's rows end (int32, as grouped_mm takes them), found on the device.
-    ends = torch.searchsorted(sorted_experts, _expert_ids(fc1_weight.shape[0], tokens.device), right=True,
-                              out_int32=True)
+    ends = torch.searchsorted(sorted_experts, _expert_ids(num_experts, tokens.device), right=True, out_int32=True)
     token_ids = order.div(topk, rounding_mode="floor")
     rows = tokens.index_select(0, token_ids)  # [b * k, H]
     expert_outputs = sorted_rows_products(rows, probs.flatten()[order], ends, fc1_weight, fc2_weight)
-    return _sum_per_token(tokens, token_ids, expert_outputs)
+    if not elsewhere:
+        return _sum_per_token(tokens, token_ids, expert_outputs)
+    batch = tokens.shape[0]
+    # The uncomputed rows (uninitialized memory) are summed into row ``batch``, which is dropped.
+    token_ids = token_ids.masked_fill(sorted_experts == num_experts, batch)
+    sums = tokens.new_zeros(batch + 1, tokens.shape[1]).index_add_(0, token_ids, expert_outputs.to(tokens.dtype))
+    return sums[:batch]
+
+
+def local_expert_products(
+    tokens: torch.Tensor, probs: torch.Tensor, local_experts: torch.Tensor, fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+) -> torch.Tensor:
+    """This rank's part of decode_experts under expert parallelism: tokens [n, H] with routing weights
+    probs [n, k] and local_experts [n, k], the index of each chosen expert among this rank's E
+    (fc1_weight [E, 2F, H], fc2_weight [E, H, F]), or E where another rank holds it -> [n, H], the
+    weighted outputs of this rank's experts summed per token (another rank adds the rest). Fixed
+    shapes and no host sync, like decode_experts: a pair of another rank's expert is computed by no
+    grouped product, and weighs 0 in the dense form."""
+    if grouped_products_take(tokens, fc1_weight, fc2_weight):
+        return grouped_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight, elsewhere=True)
+    return dense_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight)
 
 
 def sorted_rows_products(
@@ -178,12 +204,24 @@ def dense_expert_products(
     unchosen experts weighted 0: E / k times the products of the grouped form, but in a decode step
     the weights' reads dominate and most experts are chosen by some token anyway. The sum over
     experts adds the chosen outputs in ascending expert order (a zero adds nothing)."""
-    weights = torch.zeros(tokens.shape[0], fc1_weight.shape[0], dtype=probs.dtype, device=tokens.device)
-    weights = weights.scatter(1, top_experts, probs).T.unsqueeze(-1)  # [E, b, 1]
+    num_experts = fc1_weight.shape[0]
+    # One column more for another rank's expert (index E, ``local_expert_products``), dropped.
+    weights = torch.zeros(tokens.shape[0], num_experts + 1, dtype=probs.dtype, device=tokens.device)
+    weights = weights.scatter(1, top_experts, probs)[:, :num_experts].T.unsqueeze(-1)  # [E, b, 1]
     gate, up = torch.matmul(tokens, fc1_weight.transpose(1, 2)).chunk(2, dim=-1)  # [E, b, F] each
     intermediate = F.silu(gate) * up
     intermediate = (intermediate * weights).to(intermediate.dtype)
     return torch.bmm(intermediate, fc2_weight.transpose(1, 2)).to(tokens.dtype).sum(dim=0)
+
+
+@functools.cache
+def _local_expert_index(num_experts: int, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """[num_experts] int64: expert first + i -> i for this rank's ``count`` experts, every other -> count
+    (``local_expert_products``' mark of another rank's expert). Made once, like _expert_ids."""
+    with torch.inference_mode(False):
+        index = torch.full((num_experts,), count, dtype=torch.long, device=device)
+        index[first:first + count] = torch.arange(count, device=device)
+        return index
 
 
 @functools.cache
@@ -285,15 +323,20 @@ class InProcessMoELayer(MoELayer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         config = self.config
+        dispatcher = self.token_dispatcher
         # Fixed by the layout and the config at construction: checked once, not per token.
-        self._all_local = (
-            self.attn_tp_group.size() == 1
-            and self.token_dispatcher.tp_size == 1
-            and self.token_dispatcher.ep_size == 1
-            and not self.use_shared_expert
-            and not config.moe_latent_size
-            and config.moe_expert_capacity_factor is None
+        plain_experts = (
+            not self.use_shared_expert and not config.moe_latent_size and config.moe_expert_capacity_factor is None
         )
+        self._all_local = (
+            self.attn_tp_group.size() == 1 and dispatcher.tp_size == 1 and dispatcher.ep_size == 1 and plain_experts
+        )
+        # A decode step's tokens are the same on every rank of the attention TP group (no sequence
+        # parallelism for one token), so expert TP ranks within it can each run their shard of every
+        # expert on all the tokens and add the partial outputs: no dispatch.
+        expert_tp_ranks = set(torch.distributed.get_process_group_ranks(dispatcher.tp_group))
+        shares_tokens = expert_tp_ranks <= set(torch.distributed.get_process_group_ranks(self.attn_tp_group))
+        self._expert_tp_size = dispatcher.tp_size
         # What ``_route_tokens`` reproduces of TopKRouter: the softmax over the top-k logits
         # (topk_routing_with_score_function without pre-softmax, groups or fusion), no input jitter,
         # no bias, no Megatron replay (HybridModel attaches its own routing hook after this check;
@@ -309,13 +352,23 @@ class InProcessMoELayer(MoELayer):
             and self.router.bias is None
             and self.router.router_replay is None
         )
-        self.steps_in_process = (
-            self._all_local
+        self._steps_routing = (
+            shares_tokens
+            and plain_experts
             and self._plain_topk_router
             and isinstance(self.experts, SkipEmptySequentialMLP)
             and supports_fused_forward(config)
         )
-        """Whether ``step`` routes and runs the experts itself, in this process (else it calls forward)."""
+        self._ep_size, self._ep_rank = dispatcher.ep_size, self.ep_group.rank()
+        self.steps_in_process = self._steps_routing and self._ep_size == 1
+        """Whether ``step`` routes and runs the experts itself, in this process (else it calls forward):
+        every expert is on this rank, whole or as its expert-TP shard (EP = 1, expert TP within attention TP)."""
+
+    def steps_without_dispatcher(self, rows_agree: bool) -> bool:
+        """Whether ``step`` routes and runs the experts itself, without Megatron's dispatcher: in this
+        process, or under EP by gathering the group's tokens, which needs ``rows_agree``: every rank of
+        the EP group steps as many rows (InferenceCache.rows_agree)."""
+        return self.steps_in_process or (self._steps_routing and rows_agree)
 
     def forward(
         self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: torch.Tensor | None = None
@@ -331,18 +384,46 @@ class InProcessMoELayer(MoELayer):
         output = self._combine(tokens, token_ids, routing_map.sum(dim=0), probs.T[expert_ids, token_ids])
         return output.view(hidden_states.shape), None
 
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """One token per sequence (decoding): hidden [b, H] -> [b, H], what forward computes, with the
-        router's math done here (no router module, autograd function or [b, E] routing map). Runs
-        forward where it would not route in this process (EP or TP > 1, under autograd, ...)."""
-        if torch.is_grad_enabled() or not self.steps_in_process:
+    def step(self, hidden: torch.Tensor, rows_agree: bool = False) -> torch.Tensor:
+        """One token per sequence (decoding): hidden [b, H] (every attention TP rank the same) -> [b, H],
+        what forward computes, with the router's math done here (no router module, autograd function
+        or [b, E] routing map) and, under expert TP, each rank's shard of the experts' outputs added
+        over the expert TP group.
+
+        Under EP with ``rows_agree`` (every rank of the EP group steps b rows) the dispatch has fixed
+        shapes and no host sync, where Megatron's all-to-all reads its split sizes on the host: the
+        group's tokens are all-gathered, every rank routes all of them (the router is replicated) and
+        runs its own experts on the pairs that chose them, and a reduce-scatter returns each rank the
+        sums for its rows. Runs forward where neither applies (EP without agreed rows, under autograd, ...)."""
+        if torch.is_grad_enabled() or not self.steps_without_dispatcher(rows_agree):
             output, _ = self.forward(hidden[None])
             return output[0]
-        probs, top_experts = self._route_tokens(hidden)  # [b, k] each
         routes = self.router.router_replay  # models/routing.py's hook, attached by HybridModel
+        if self._ep_size == 1:
+            probs, top_experts = self._route_tokens(hidden)  # [b, k] each
+            if routes is not None:
+                routes.record_step(top_experts)
+            output = torch.ops.megacispo.decode_experts(hidden, probs, top_experts, *self.experts.stacked_weights())
+        else:
+            output = self._step_expert_parallel(hidden, routes)
+        if self._expert_tp_size == 1:  # a compiled step holds no collective
+            return output
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(output, group=self.token_dispatcher.tp_group)
+
+    def _step_expert_parallel(self, hidden: torch.Tensor, routes) -> torch.Tensor:
+        """``step``'s experts under EP: hidden [b, H] -> [b, H] of every expert-TP shard's experts."""
+        batch, width = hidden.shape
+        tokens = hidden.new_empty(self._ep_size * batch, width)  # the group's tokens, in rank order
+        torch.distributed.all_gather_single(tokens, hidden.contiguous(), group=self.ep_group)
+        probs, top_experts = self._route_tokens(tokens)  # [EP b, k] each
         if routes is not None:
-            routes.record_step(top_experts)
-        return torch.ops.megacispo.decode_experts(hidden, probs, top_experts, *self.experts.stacked_weights())
+            routes.record_step(top_experts[self._ep_rank * batch:(self._ep_rank + 1) * batch])
+        local_experts = _local_expert_index(self.config.num_moe_experts, self.local_expert_indices[0],
+                                            self.num_local_experts, hidden.device)[top_experts]
+        partial = local_expert_products(tokens, probs, local_experts, *self.experts.stacked_weights())
+        output = hidden.new_empty(batch, width)
+        torch.distributed.reduce_scatter_single(output, partial, group=self.ep_group)
+        return output
 
     def _routes_in_process(self, intermediate_tensors) -> bool:
         return self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None

@@ -170,8 +170,18 @@ class TensorParallelRMSNorm(torch.nn.Module):
         return _rms_normalize(hidden, wide, sum_squares, self.hidden_size, self.eps, self.weight)
 
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A decode step's norm of [b, C] at TP = 1 (the lean step's layout), without autograd."""
-        return rms_norm_step(hidden, self.weight, self.eps)
+        """A decode step's norm of this rank's channels [b, C / TP], without autograd. At TP > 1 the
+        rows are all-gathered and every rank normalizes all C channels with torch's rms_norm, then keeps
+        its own: three kernels (gather, norm, weight), where the sums of squares' all-reduce sits
+        between eight; the gathered rows are a decode step's few."""
+        if self.tp_size == 1:
+            return rms_norm_step(hidden, self.weight, self.eps)
+        batch, local = hidden.shape
+        gathered = hidden.new_empty(self.tp_size * batch, local)
+        torch.distributed.all_gather_single(gathered, hidden.contiguous(), group=self.tp_group)
+        rows = at_least_fp32(gathered).view(self.tp_size, batch, local).transpose(0, 1)  # [b, TP, C / TP]
+        normed = F.rms_norm(rows, (self.tp_size, local), eps=self.eps)[:, self.tp_group.rank()]
+        return self.weight * normed.to(hidden.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return make_sharded_tensors_for_checkpoint(
@@ -415,6 +425,10 @@ class InferenceCache:
         """[b] bool: the rows a decode step advances; the others are held as they are (their lightning
         states unchanged, their new position masked, their RoPE position kept: a multi-turn sample
         waiting for its environment's reply). None: every row advances."""
+        self.rows_agree = False
+        """Every rank of the expert-parallel group decodes as many rows as this cache's, step for step
+        (the rollout's lockstep keeps it so and says so): a decode step's MoE layers may then gather the
+        group's tokens (fixed shapes, no host sync) instead of Megatron's all-to-all."""
 
     @property
     def valid_mask(self) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
@@ -33,12 +34,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megacispo.models.layers import (
     AttentionStep,
     InferenceCache,
+    StacksWeights,
     TensorParallelRMSNorm,
     at_least_fp32,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
     parameter_device,
     row_parallel_linear,
+    stack_weights_as_views,
 )
 from megacispo.models.lightning import (
     lightning_attention,
@@ -60,7 +63,7 @@ class LightningMixerSubmodules:
     out_proj: Callable = row_parallel_linear
 
 
-class LightningMixer(MegatronModule):
+class LightningMixer(MegatronModule, StacksWeights):
     """Lightning attention of one decoder layer: [s(/TP), b, H] -> [s(/TP), b, H]."""
 
     def __init__(
@@ -76,7 +79,8 @@ class LightningMixer(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.tp_group = pg_collection.tp
-        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        self.tp_size = tp_size = self.tp_group.size()
+        tp_rank = self.tp_group.rank()
         self.layer_idx = layer_number - 1  # global, 0-based: it sets the decay rates
         self.block_size = block_size
         self.head_dim = config.kv_channels
@@ -96,6 +100,7 @@ class LightningMixer(MegatronModule):
         )
         self._decay = all_rates[tp_rank * self.num_local_heads : (tp_rank + 1) * self.num_local_heads].clone()
         self._step_decay: torch.Tensor | None = None
+        self._projection_weight: torch.Tensor | None = None
 
     def decay_rates(self, device: torch.device) -> torch.Tensor:
         """s_h [local heads] fp32 of this rank's heads (moved to the device once)."""
@@ -136,19 +141,42 @@ class LightningMixer(MegatronModule):
         return out
 
     def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
-        """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
-        what forward computes for a one-token decode step, in the same op order and dtypes, with
-        plain matmuls on the projections' weights instead of Megatron's linears. The layer's state
-        in ``cache`` advances in place; ``attention`` is unused (the mixers share one signature)."""
-        batch = hidden.shape[0]
-        qkv = F.silu(F.linear(hidden, self.qkv_proj.weight)).reshape(batch, self.num_local_heads, 3 * self.head_dim)
+        """One token per sequence, for HybridModel.decode_step: hidden [b, H] (every TP rank the same)
+        -> [b, H], what forward computes for a one-token decode step, in the same op order and dtypes,
+        with plain matmuls on this rank's shards of the projections' weights (its heads) instead of
+        Megatron's linears, the output projection's partial sums added over the TP group. The layer's
+        state in ``cache`` advances in place; ``attention`` is unused (the mixers share one signature)."""
+        batch, qkv_width = hidden.shape[0], 3 * self.num_local_heads * self.head_dim
+        projected = F.linear(hidden, self.projection_weight())  # [b, 4 heads d]: q, k, v, then the gate
+        qkv = F.silu(projected[:, :qkv_width]).reshape(batch, self.num_local_heads, 3 * self.head_dim)
         q, k, v = at_least_fp32(qkv).split(self.head_dim, dim=-1)  # each [b, heads, d]
         out, cache.lightning_states[self.layer_idx] = lightning_state_step(
             q, k, v, self.step_decay(q.device, q.dtype), cache.lightning_states[self.layer_idx], cache.live_rows
         )
         out = out.to(hidden.dtype).reshape(batch, -1)  # [b, heads * d]
-        gate = F.linear(hidden, self.output_gate.weight)
-        return F.linear(torch.sigmoid(gate) * self.norm.step(out), self.out_proj.weight)
+        out = F.linear(torch.sigmoid(projected[:, qkv_width:]) * self.norm.step(out), self.out_proj.weight)
+        if self.tp_size == 1:  # a compiled step (TP = 1) holds no collective
+            return out
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+
+    def projection_weight(self) -> torch.Tensor:
+        """[4 heads d, H]: this rank's q / k / v weight, then its output gate's (both take the layer's
+        input, so a decode step runs them as one product); within a rollout the stack
+        ``stacking_weights`` made, else concatenated now (a copy)."""
+        if self._projection_weight is not None:
+            return self._projection_weight
+        return torch.cat([self.qkv_proj.weight, self.output_gate.weight])
+
+    def stacked_parameters(self) -> list[torch.nn.Parameter]:
+        return [self.qkv_proj.weight, self.output_gate.weight]
+
+    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        self._projection_weight, replaced = stack_weights_as_views([self.qkv_proj, self.output_gate], dtype_of,
+                                                                   new_dim=False)
+        return replaced
+
+    def forget_stacks(self) -> None:
+        self._projection_weight = None
 
     def _attend(
         self,

@@ -29,10 +29,14 @@ document; the embedding, norms, MoE and LM head are per token. What it saves: ev
 the softmax layers' gathered K and V is divided by CP. Decoding never splits: each CP rank decodes
 its own sequences whole, as a plain model (the rollouts use CP ranks as generation replicas).
 
-A decode step at TP = 1 in eval mode takes a lean path: the same modules and parameters, called
-through their ``step`` methods (plain matmuls on the weights, the router's math without Megatron's
-router module, no TransformerBlock), which compute what the Megatron modules compute for one token
-at a fraction of the per-op overhead. Prefill, TP > 1 and Transformer Engine layers use the
+A decode step in eval mode takes a lean path: the same modules and parameters, called through
+their ``step`` methods (plain matmuls on this rank's weight shards, the router's math without
+Megatron's router module, no TransformerBlock), which compute what the Megatron modules compute
+for one token at a fraction of the per-op overhead, with a fixed number of ops and no host sync.
+Under TP it adds the row-parallel outputs with one all-reduce each (the mixer's output projection,
+the experts' expert-TP shards), gathers the lightning norm's rows and the LM head's vocabulary
+shards: every TP rank holds the step's tokens, so no dispatcher or sequence split runs. Prefill,
+expert parallelism's MoE layers (their all-to-all dispatch) and Transformer Engine layers use the
 Megatron modules; ``lean_decode = False`` forces them for decode steps too.
 """
 
@@ -117,22 +121,27 @@ class HybridModel(LanguageModule):
         self.lean_decode = True
         """Decode steps run the lean path where it applies (``_lean_step_applies``); False runs them
         through Megatron's modules like prefill (tests compare the two)."""
-        # The lean path's conditions that are fixed at construction: one TP rank holds whole weights
-        # and the whole sequence, every layer is a local (not Transformer Engine) module whose
-        # weights are used as they are (no FP8 / FP4 casts), and the residual stream keeps the
-        # model's dtype.
-        self._lean_step_supported = (
-            self.pg_collection.tp.size() == 1
-            and config.transformer_impl == "local"
-            and not (config.fp8 or config.fp4)
-            and not config.sequence_parallel
-            and not config.fp32_residual_connection
-        )
-        self._compiled_lean = None
         # Attached after the MoE layers are built: InProcessMoELayer's lean step takes a router
         # without Megatron's own replay, and this hook changes nothing until targets are set.
         for layer in self.decoder.layers:
             layer.mlp.router.router_replay = LayerRoutes(layer.layer_number - 1)
+        # The lean path's conditions that are fixed at construction: every layer is a local (not
+        # Transformer Engine) module whose weights are used as they are (no FP8 / FP4 casts), and the
+        # residual stream keeps the model's dtype.
+        self._tp_size = self.pg_collection.tp.size()
+        self._lean_step_supported = (
+            config.transformer_impl == "local"
+            and not (config.fp8 or config.fp4)
+            and not config.fp32_residual_connection
+        )
+        # Under TP every MoE layer must step without a dispatcher (a Megatron MoE forward would split
+        # the step's one token along the sequence): by whether the EP group's rows agree.
+        self._moe_steps_alone = {
+            agree: all(getattr(layer.mlp, "steps_without_dispatcher", lambda _: False)(agree)
+                       for layer in self.decoder.layers)
+            for agree in (False, True)
+        }
+        self._compiled_lean = None
 
     def set_input_tensor(self, input_tensor) -> None:
         """The previous pipeline stage's output (called by Megatron's schedules)."""
@@ -430,7 +439,7 @@ class HybridModel(LanguageModule):
         ``compiled_decode_supported``): the first steps of a batch size compile its graph."""
         token_ids = token_ids.reshape(cache.batch_size, 1)
         position_ids = cache.next_positions[:, None]
-        if not self._lean_step_applies():
+        if not self._lean_step_applies(cache):
             cache.append_token()
             logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True)
             cache.advance_positions()
@@ -531,12 +540,12 @@ class HybridModel(LanguageModule):
         """This stage's part of a one-token decode step on the lean path: token_ids [b] (first stage)
         or the previous stage's output ``received`` [1, b, H]; position_ids [b, 1]; the softmax layers
         attend over ``span`` positions (``InferenceCache.step_span``). Returns (hidden states [1, b, H],
-        and on the last stage the fp32 logits [b, 1, V], else None): what _megatron_stage computes at
-        TP = 1, through each module's ``step``. The embedding is a row lookup (no position embedding;
+        and on the last stage the fp32 logits [b, 1, V], else None): what _megatron_stage computes,
+        through each module's ``step``. The embedding is a row lookup (no position embedding;
         no dropout in eval mode). The step's position is written and the cache advanced in place, at
         ``cache.column`` on the device: the shapes depend on the rows and the span alone."""
         if self.pre_process:
-            hidden = F.embedding(token_ids, self.embedding.word_embeddings.weight)  # [b, H]
+            hidden = self._embed_step(token_ids)  # [b, H]
         else:
             hidden = received[0]
         cache.open_step()
@@ -550,15 +559,30 @@ class HybridModel(LanguageModule):
         if not self.post_process:
             return hidden[None], None
         hidden = self.decoder.final_layernorm.step(hidden)
-        return hidden[None], at_least_fp32(self._logits(hidden, plain=True))[:, None]
+        logits = at_least_fp32(self._logits(hidden, plain=True))  # [b, V/TP]
+        if self._tp_size > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+        return hidden[None], logits[:, None]
+
+    def _embed_step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [b] -> [b, H]: VocabParallelEmbedding's lookup (no dropout in eval mode), its
+        out-of-shard ids masked with masked_fill rather than a boolean index (a host sync on a GPU)."""
+        embedding = self.embedding.word_embeddings
+        if self._tp_size == 1:
+            return F.embedding(token_ids, embedding.weight)
+        local_ids = token_ids - embedding.vocab_start_index
+        outside = (token_ids < embedding.vocab_start_index) | (token_ids >= embedding.vocab_end_index)
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), embedding.weight).masked_fill(outside[:, None], 0.0)
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(hidden, group=self.pg_collection.tp)
 
     @property
     def compiled_decode_supported(self) -> bool:
         """Whether ``decode_step(compiled=True)`` can trace the lean step as one graph: the lean path
-        applies to the layout, one stage holds every layer, and every MoE layer routes its tokens in
-        this process (no expert parallelism's all-to-all inside the step)."""
+        applies to the layout, one stage holds every layer, no TP collective runs inside the step, and
+        every MoE layer routes its tokens in this process (no expert parallelism's all-to-all)."""
         return (
             self._lean_step_supported
+            and self._tp_size == 1
             and self.pg_collection.pp.size() == 1
             and all(getattr(layer.mlp, "steps_in_process", False) for layer in self.decoder.layers)
         )
@@ -583,11 +607,18 @@ class HybridModel(LanguageModule):
             self._compiled_lean = torch.compile(self._lean_stage, options=options)
         return self._compiled_lean
 
-    def _lean_step_applies(self) -> bool:
-        """Whether a one-token decode step can skip Megatron's TransformerBlock, parallel linears and
-        router: the layout allows it (``_lean_step_supported``), ``lean_decode`` is on, and nothing
-        is recorded for autograd or depends on training mode (dropout, router noise)."""
-        return self._lean_step_supported and self.lean_decode and not self.training and not torch.is_grad_enabled()
+    def _lean_step_applies(self, cache: InferenceCache) -> bool:
+        """Whether a one-token decode step on ``cache`` can skip Megatron's TransformerBlock, parallel
+        linears and router: the layout allows it (``_lean_step_supported``; under TP, with the MoE
+        layers' dispatch-free step for the cache's rows), ``lean_decode`` is on, and nothing is recorded
+        for autograd or depends on training mode (dropout, router noise)."""
+        return (
+            self._lean_step_supported
+            and (self._tp_size == 1 or self._moe_steps_alone[cache.rows_agree])
+            and self.lean_decode
+            and not self.training
+            and not torch.is_grad_enabled()
+        )
 
     @contextlib.contextmanager
     def _sequence_parallel_off(self) -> Iterator[None]:

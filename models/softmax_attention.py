@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
@@ -66,7 +67,7 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.tp_group = pg_collection.tp
-        tp_size = self.tp_group.size()
+        self.tp_size = tp_size = self.tp_group.size()
         self.layer_idx = layer_number - 1
         self.head_dim = config.kv_channels
         self.num_local_heads = config.num_attention_heads // tp_size
@@ -118,9 +119,10 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         return out
 
     def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
-        """One token per sequence at TP = 1, for HybridModel.decode_step: hidden [b, H] -> [b, H],
-        what forward computes for a one-token decode step, with one matmul on the q / k / v weights
-        (``qkv_weight``) instead of Megatron's three linears; ``attention``: the step's rotation (of q
+        """One token per sequence, for HybridModel.decode_step: hidden [b, H] (every TP rank the same)
+        -> [b, H], what forward computes for a one-token decode step, with one matmul on this rank's
+        q / k / v weights (``qkv_weight``: its heads) instead of Megatron's three linears, the output
+        projection's partial sums added over the TP group; ``attention``: the step's rotation (of q
         and k together: they sit side by side in the product) and key bias. The token's key and value
         are written at ``cache.column`` (``InferenceCache.step_kv``), and the attention reads the step's span."""
         batch, heads, kv_heads, dim = hidden.shape[0], self.num_local_heads, self.num_local_kv_heads, self.head_dim
@@ -132,7 +134,10 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         # The newest position sees every earlier one: pad keys and positions past it are masked (the
         # same keys as _padded_causal_mask's last row masks, since the token itself is valid).
         out = decode_attention(q, k, v, attention.key_bias, self.head_dim**-0.5)  # [b, heads, 1, d]
-        return F.linear(out.reshape(batch, -1), self.o_proj.weight)
+        out = F.linear(out.reshape(batch, -1), self.o_proj.weight)
+        if self.tp_size == 1:  # a compiled step (TP = 1) holds no collective
+            return out
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
 
     def qkv_weight(self) -> torch.Tensor:
         """[(heads + 2 kv heads) d, H]: the q, k and v weights one after the other; within a rollout

@@ -3,7 +3,7 @@
 tests/unit/ runs in one process; tests/multiprocess/ starts real processes (harness workers,
 torchrun, the entry points and scripts as subprocesses); tests/slow/ takes minutes a test. Every test
 under tests/slow/ is marked slow here, so ``-m slow`` and ``-m "not slow"`` (tests/run.sh) pick the
-tiers whatever a file says. The fixtures' helpers live in tests/support (``megacispo.testing``).
+tiers whatever a file says; a parametrized test may also mark some of its rows slow in place. The fixtures' helpers live in tests/support (``megacispo.testing``).
 """
 
 from __future__ import annotations

@@ -444,6 +444,7 @@ class _SlotRollout:
         self._sync_rows()
         self.confident_run = torch.zeros(len(first), dtype=torch.long, device=self.device)
         progress = _count_samples_on(progress, self.num_samples)
+        self.rows_agree = self._rows_agree()
         while True:
             if interrupt is not None:
                 interrupt()
@@ -453,12 +454,13 @@ class _SlotRollout:
                 self._free_finished(progress)
                 replies = self._take_replies(progress)
                 refills = self._assign_waiting()
-                any_refill, any_running, extend_rounds = self._agree(
-                    bool(refills), any(s >= 0 for s in self.row_sample), len(replies))
-                if not any_running:
+                live_rows = sum(s >= 0 for s in self.row_sample)
+                any_refill, extend_rounds, any_busy, most_live = self._agree(
+                    bool(refills), len(replies), bool(self.waiting or refills or replies), live_rows)
+                if not most_live and not any_busy:
                     break
-                if not self.waiting and not refills and not replies:
-                    cache, tokens = self._shrink(cache, tokens)
+                if not any_busy:
+                    cache, tokens = self._shrink(cache, tokens, most_live)
                 if self.rows_changed:
                     self._sync_rows()
             else:
@@ -468,6 +470,7 @@ class _SlotRollout:
             step_tokens = torch.where(self.row_live_t, tokens, self.pad_id)
             if self.conversations is not None:
                 cache.live_rows = self.row_live_t  # rows waiting for a reply keep their state
+            cache.rows_agree = self.rows_agree
             logits, cache = self.model.decode_step(step_tokens, cache, compiled=self.config.compile_decode)
             self.decode_steps += 1
             self._record_step_routes()
@@ -639,15 +642,27 @@ class _SlotRollout:
             self.rows_changed = True
         return refills
 
-    def _agree(self, refill: bool, running: bool, replies: int) -> tuple[bool, bool, int]:
-        """(whether any rank of the lockstep group refills now, whether any still decodes or waits for an
-        environment, the most replies any feeds now): one all-reduce."""
+    def _agree(self, refill: bool, replies: int, busy: bool, live_rows: int) -> tuple[bool, int, bool, int]:
+        """(whether any rank of the lockstep group refills now, the most replies any feeds now, whether any
+        has samples waiting for a row, a refill or a reply, the most rows any still decodes or holds for
+        an environment): one all-reduce. The ranks shrink together (``_shrink``), so rows that agree stay so."""
         if self.group is None:
-            return refill, running, replies
-        flags = torch.tensor([int(refill), int(running), replies], device=self.device)
+            return refill, replies, busy, live_rows
+        flags = torch.tensor([int(refill), replies, int(busy), live_rows], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        any_refill, any_running, most_replies = flags.tolist()
-        return bool(any_refill), bool(any_running), most_replies
+        any_refill, most_replies, any_busy, most_live = flags.tolist()
+        return bool(any_refill), most_replies, bool(any_busy), most_live
+
+    def _rows_agree(self) -> bool:
+        """Whether every rank of the lockstep group starts with as many rows (slots) as this one: one
+        all-reduce. They then decode as many rows step for step (``InferenceCache.rows_agree``: the MoE
+        layers under EP gather the group's tokens rather than run Megatron's all-to-all)."""
+        if self.group is None:
+            return False
+        slots = torch.tensor([self.slots, -self.slots], device=self.device)
+        dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
+        most, fewest = slots.tolist()
+        return most == -fewest
 
     def _refill(self, refills: list[tuple[int, int]], logits: torch.Tensor, cache) -> None:
         """Prefill the refilled rows' prompts alone and write them into their rows of ``cache`` and of
@@ -665,13 +680,15 @@ class _SlotRollout:
         for row, sample in refills:
             self.row_start[row] = cache.length - len(self.prompts[sample])
 
-    def _shrink(self, cache, tokens: torch.Tensor):
-        """Once nothing waits, drop idle rows when at most half the rows still decode (at least one row
+    def _shrink(self, cache, tokens: torch.Tensor, most_live: int):
+        """Once nothing waits (on any rank of a lockstep group), drop idle rows when at most half the rows
+        still decode, keeping ``most_live`` (the most live rows of any rank of the group; at least one row
         stays: a rank of a lockstep group keeps stepping): the tail of long responses runs at its own
-        batch size. A compiled step keeps a power of two of rows (idle ones added): a captured graph
-        then serves every shrink to its bucket. Returns (cache, tokens) of the rows kept."""
+        batch size, every rank of the group at the same one. A compiled step keeps a power of two of rows
+        (idle ones added): a captured graph then serves every shrink to its bucket. Returns (cache, tokens)
+        of the rows kept."""
         live = [row for row, sample in enumerate(self.row_sample) if sample >= 0]
-        rows = max(len(live), 1)
+        rows = max(most_live, 1)
         if self.config.compile_decode:
             rows = 1 << (rows - 1).bit_length()
         if rows > len(self.row_sample) // 2 or len(self.row_sample) == 1:

@@ -53,6 +53,25 @@ def test_lean_decode_step_ops_are_few_fixed_and_sync_free():
     assert max(megatron) - min(megatron) <= 1, f"Megatron path's ops per layer at 1, 16, 64 slots: {megatron}"
 
 
+# TP 2 + EP 2 adds to the lean step its collectives (the mixer's and the experts' sums over TP, the
+# lightning norm's gather, the EP gather and reduce-scatter) and the EP dispatch's bookkeeping.
+MAX_OPS_PER_LAYER_TP2_EP2 = 40
+
+
+def test_lean_decode_step_under_tp_and_ep_stays_fixed_and_sync_free():
+    """At TP 2 + EP 2 (benchmarks/decode_ops.py's layout, 2 processes, the ranks' rows agreeing as a
+    rollout's lockstep keeps them) the lean step's MoE layers gather the group's tokens instead of
+    Megatron's all-to-all: no host sync, the same count at 1, 16 and 64 slots, about half the
+    Megatron path's."""
+    layout = decode_ops.PARALLEL_LAYOUTS["TP 2 + EP 2 (expert TP 1)"]
+    for rank, rows in enumerate(run_distributed(decode_ops.measure_parallel, 2, [1, 16, 64], 32, layout)):
+        lean = [count for _, (count, _), _ in rows]
+        megatron = [count for _, _, (count, _) in rows]
+        assert [syncs for _, (_, syncs), _ in rows] == [0, 0, 0], (rank, rows)
+        assert max(lean) <= MAX_OPS_PER_LAYER_TP2_EP2 and max(lean) - min(lean) <= 1, (rank, lean)
+        assert 2 * max(lean) <= min(megatron) + 5, (rank, lean, megatron)
+
+
 def test_planted_host_reads_are_caught():
     values = torch.tensor([0.0, 2.0, 0.0, 3.0])
     counter = OpCounter()

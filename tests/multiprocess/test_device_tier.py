@@ -238,10 +238,10 @@ def _planted(owner, name: str, mistake=_host_zero_added):
     return _replaced(owner, name, planted)
 
 
-def _agree_with_host_flags(engine, refill: bool, running: bool, replies: int) -> tuple[bool, bool, int]:
-    flags = torch.tensor([int(refill), int(running), replies])  # the mistake: no device=, then a collective
+def _agree_with_host_flags(engine, refill: bool, replies: int, busy: bool, live_rows: int) -> tuple[bool, int, bool, int]:
+    flags = torch.tensor([int(refill), replies, int(busy), live_rows])  # the mistake: no device=, then a collective
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=engine.group)
-    return bool(flags[0]), bool(flags[1]), int(flags[2])
+    return bool(flags[0]), int(flags[1]), bool(flags[2]), int(flags[3])
 
 
 def _all_reduce_on_host(trainer, value: float, op=torch.distributed.ReduceOp.SUM) -> float:

@@ -175,7 +175,12 @@ BAD_LOADS = {"missing": _missing, "another-model": _another_model} | {
     f"named-{damage}": _damaged(damage) for damage in DAMAGES}
 
 
-@pytest.mark.parametrize("row", BAD_LOADS)
+# Three rows of the same kind (a damaged shard's or index's named error) run in the slow tier only.
+SLOW_BAD_LOADS = {"named-metadata.json-deleted", "named-.metadata-deleted", "named-shard-zeroed"}
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, marks=pytest.mark.slow) if row in SLOW_BAD_LOADS else row
+                                 for row in BAD_LOADS])
 def test_a_bad_load_is_one_error_line_from_rank_0(row, trained, tmp_path):
     """Found before the model is built, but for damage inside a shard, found when it loads; either
     way no tensorboard event file or checkpoint is left in the run directory."""

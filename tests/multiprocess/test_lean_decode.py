@@ -6,9 +6,10 @@ matmuls in another summation order: the CPU layer's few-rows kernel), for a padd
 ``cache.select`` midway) and a single sequence (the one-token MoE path, no mask); greedy rollouts
 through megacispo.rollout.generate.generate's slot engine (2 slots, a refill midway) on each path give the
 tokens and log-probs of the Megatron path decoding all prompts at once. The lean path is really
-taken: TransformerBlock.forward is not called during its decode steps. Runs in a gloo world of one;
-tests/test_rollout_layouts.py covers the multi-process layouts (TP with sequence parallelism: the
-Megatron path; EP = 2: the MoE's dispatcher; PP = 2: the lean path stage by stage).
+taken: TransformerBlock.forward is not called during its decode steps. Runs in a gloo world of one,
+and in fp64 on 2 processes at TP 2 (expert TP 2 and 1), EP 2 and TP 2 + EP 2 (the lean step's
+collectives against Megatron's modules); tests/multiprocess/test_rollout_layouts.py runs greedy rollouts
+on the multi-process layouts against one process.
 
 The compiled step (``decode_step(compiled=True)``, torch.compile of the lean path) is checked the
 same way in fp32 (the batch size changes midway and the softmax layer's cache grows: recompiles),
@@ -35,15 +36,16 @@ GREEDY_LIMITS = [5, 16, 11]
 EOS, PAD = 2, 0
 
 
-def _build_model(dtype: torch.dtype):
+def _build_model(dtype: torch.dtype, layout: dict | None = None):
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.parallel.layout import ParallelConfig, init_distributed
 
     model_cfg = model_config("tiny")
-    init_distributed(ParallelConfig(), seed=21)
+    parallel = ParallelConfig(**(layout or {}))
+    init_distributed(parallel, seed=21)
     # A large init std: logits O(1), routing and attention far from uniform, greedy choices far from ties.
-    model = HybridModel(model_cfg, transformer_config(model_cfg, ParallelConfig(), init_method_std=0.3))
+    model = HybridModel(model_cfg, transformer_config(model_cfg, parallel, init_method_std=0.3))
     if dtype == torch.float64:
         model.double()
         model.config.moe_router_dtype = "fp64"
@@ -77,8 +79,10 @@ class _CallCounter:
 PATHS = {"lean": (True, False), "megatron": (False, False), "compiled": (True, True)}
 
 
-def _teacher_forced(model, prompts: list[torch.Tensor], steps: torch.Tensor, keep_after: int | None, paths) -> dict:
-    """Prefill, then the tokens ``steps`` [b, NUM_STEPS] one step at a time, on each path.
+def _teacher_forced(model, prompts: list[torch.Tensor], steps: torch.Tensor, keep_after: int | None, paths,
+                    rows_agree: bool = False) -> dict:
+    """Prefill, then the tokens ``steps`` [b, NUM_STEPS] one step at a time, on each path (the caches'
+    ``rows_agree`` set: every rank decodes the same prompts).
     Returns each path's largest logit difference to the Megatron path and the logit scale, and how
     often each path ran TransformerBlock.forward and (eagerly) a decoder layer's ``step``."""
     from megacispo.models.decoder_layer import HybridDecoderLayer
@@ -108,6 +112,7 @@ def _teacher_forced(model, prompts: list[torch.Tensor], steps: torch.Tensor, kee
                 caches = {path: cache.select(rows) for path, cache in caches.items()}
             logits = {}
             for path in paths:
+                caches[path].rows_agree = rows_agree
                 model.lean_decode, compiled = PATHS[path]
                 blocks_before, steps_before = block_counter.calls, step_calls["count"]
                 logits[path], caches[path] = model.decode_step(steps[rows, step], caches[path], compiled=compiled)
@@ -143,13 +148,18 @@ def _greedy(model, prompts: list[torch.Tensor], paths) -> dict:
     return results
 
 
+def _inputs(vocab_size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The prompts and the teacher-forced tokens [b, NUM_STEPS]."""
+    generator = torch.Generator().manual_seed(4)
+    # Token ids from 3 up: no prompt token is EOS or PAD.
+    prompts = [torch.randint(3, vocab_size, (length,), generator=generator) for length in PROMPT_LENGTHS]
+    return prompts, torch.randint(0, vocab_size, (len(prompts), NUM_STEPS), generator=generator)
+
+
 def _compare_paths(dtype_name: str) -> dict:
     dtype = getattr(torch, dtype_name)
     model = _build_model(dtype)
-    generator = torch.Generator().manual_seed(4)
-    # Token ids from 3 up: no prompt token is EOS or PAD.
-    prompts = [torch.randint(3, model.vocab_size, (length,), generator=generator) for length in PROMPT_LENGTHS]
-    steps = torch.randint(0, model.vocab_size, (len(prompts), NUM_STEPS), generator=generator)
+    prompts, steps = _inputs(model.vocab_size)
     # torch.compile's cost (tens of seconds on 2 cores) is paid once, in fp32.
     paths = tuple(PATHS) if dtype == torch.float32 else ("lean", "megatron")
     return {
@@ -248,3 +258,39 @@ def test_compiled_step_of_each_model_reads_its_own_constants(compared):
         pytest.skip("the compiled step is checked in the fp32 model")
     assert outcome["models_differ"] > 1e-2 * outcome["scale"], "the epsilons must change the logits"
     assert outcome["compiled_error"] <= TOLERANCE[dtype_name] * outcome["scale"], outcome
+
+
+# Layouts of 2 processes. Under TP the lean step adds the row-parallel outputs over TP, gathers the
+# lightning norm's rows and the vocabulary shards, and runs the experts whole (expert TP 1) or as
+# expert-TP shards added over the group (expert TP 2, the default: TP's size). Under EP (its ranks
+# decoding as many rows: rows_agree) it gathers the group's tokens, runs each rank's experts and
+# reduce-scatters the sums; TP 2 with EP 2 has both ranks in both groups.
+PARALLEL_LAYOUTS = {
+    "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "tp2_etp1": {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+    "ep2": {"expert_model_parallel_size": 2},
+    "tp2_ep2": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                "expert_tensor_parallel_size": 1},
+}
+
+
+def _compare_paths_parallel(layout: dict) -> dict:
+    model = _build_model(torch.float64, layout)
+    prompts, steps = _inputs(model.vocab_size)
+    return {
+        "padded_batch": _teacher_forced(model, prompts, steps, KEEP_AFTER, ("lean", "megatron"), rows_agree=True),
+        "single_sequence": _teacher_forced(model, prompts[1:2], steps[1:2], None, ("lean", "megatron"),
+                                           rows_agree=True),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_LAYOUTS))
+def test_lean_step_of_parallel_layouts_equals_megatron_path(name):
+    for rank, result in enumerate(run_distributed(_compare_paths_parallel, 2, PARALLEL_LAYOUTS[name])):
+        for case, outcome in result.items():
+            assert outcome["scale"] > 1.0, "the test model must produce non-trivial logits"
+            assert outcome["block_calls"] == {"lean": 0, "megatron": NUM_STEPS}, (rank, case, outcome["block_calls"])
+            assert outcome["error"]["lean"] <= TOLERANCE["float64"] * outcome["scale"], (
+                f"{name} rank {rank} {case}: max abs difference {outcome['error']['lean']:.2e} "
+                f"at logits up to {outcome['scale']:.1f}"
+            )

@@ -1,6 +1,7 @@
 """Greedy rollouts are layout-independent: the same weights decoded by the rollout path at TP = 2 with
-sequence parallelism, EP = 2 (each data-parallel rank decoding its own prompts, in lockstep through
-the experts' all-to-all) and PP = 2 give the tokens of the single-process run, and log-probs equal up to
+sequence parallelism, EP = 2 (each data-parallel rank decoding its own prompts, in lockstep: the
+prefills through the experts' all-to-all, the decode steps through the lean step's gather of the
+group's tokens) and PP = 2 give the tokens of the single-process run, and log-probs equal up to
 fp32 round-off (amplified by the large init: 1e-4). The single-process run decodes all its prompts at
 once; the layouts decode them one slot at a time (rollout.max_running = 1: a refill prefill after every
 finished sample, in lockstep, with per-sample length limits)."""
