@@ -35,9 +35,11 @@ Megatron's router module, no TransformerBlock), which compute what the Megatron 
 for one token at a fraction of the per-op overhead, with a fixed number of ops and no host sync.
 Under TP it adds the row-parallel outputs with one all-reduce each (the mixer's output projection,
 the experts' expert-TP shards), gathers the lightning norm's rows and the LM head's vocabulary
-shards: every TP rank holds the step's tokens, so no dispatcher or sequence split runs. Prefill,
-expert parallelism's MoE layers (their all-to-all dispatch) and Transformer Engine layers use the
-Megatron modules; ``lean_decode = False`` forces them for decode steps too.
+shards: every TP rank holds the step's tokens, so no dispatcher or sequence split runs. Under EP,
+when the EP ranks decode as many rows (``InferenceCache.rows_agree``), each MoE layer gathers the
+group's tokens and reduce-scatters its experts' sums instead of the all-to-all. Prefill, EP ranks
+whose rows differ and Transformer Engine layers use the Megatron modules; ``lean_decode = False``
+forces them for decode steps too.
 """
 
 from __future__ import annotations
