@@ -9,9 +9,11 @@ and bare allocations left out, this project's custom ops as their composite impl
 rms_norm as torch's one fused CUDA kernel). A GPU launches about one kernel per op counted, so the
 columns are kernel launches per layer per generated token. Columns:
 
-- lean: HybridModel's lean decode step (TP = 1, local layers: what rollouts run at that layout),
-- megatron: the same step through Megatron's modules (``lean_decode = False``: the path of TP > 1,
-  expert parallelism and Transformer Engine layers, here at a world of one),
+- lean fp32 / lean bf16: HybridModel's lean decode step (local layers: what rollouts run at these
+  layouts) in fp32 (a CPU's rollout dtype) and bf16 (a GPU's: the casts to and from the fp32 parts,
+  the lightning state and the router, count),
+- megatron: the same step through Megatron's modules in fp32 (``lean_decode = False``: the path of
+  Transformer Engine layers and of EP ranks whose rows differ),
 - HF: transformers' decode step with its MiniMaxCache,
 
 each the maximum over the model's layers (lightning and softmax layers differ), with the step's host
@@ -41,15 +43,16 @@ def prompts_for(slots: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     return input_ids.masked_fill(~mask, PAD), mask
 
 
-def count_ours(model, slots: int, lean: bool) -> tuple[int, int]:
+def count_ours(model, slots: int, lean: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     from megacispo.testing.op_counter import OpCounter, counting_layers, layer_op_counts
 
     input_ids, mask = prompts_for(slots, model.vocab_size)
     model.lean_decode = lean
-    with model.generation_dtype(torch.float32), model.recording_routes():
+    with model.generation_dtype(dtype), model.recording_routes():
         logits, cache = model.prefill(input_ids, mask)
         cache.rows_agree = True  # every rank decodes `slots` rows, as a rollout's lockstep group agrees
-        model.decode_step(logits.argmax(-1), cache)  # the first step may allocate what later steps reuse
+        with OpCounter():  # the first step may make what later steps reuse, on the path the counter runs
+            model.decode_step(logits.argmax(-1), cache)
         counter = OpCounter()
         with counter, counting_layers(counter, list(model.decoder.layers), "step" if lean else "forward"):
             model.decode_step(logits.argmax(-1), cache)
@@ -93,8 +96,8 @@ def measure(slot_counts: list[int], experts: int) -> list[tuple]:
     tensors = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     model.load_state_dict(hf_models.full_to_single_process(hf_models.hf_to_full(tensors, config)), strict=False)
     model.eval()
-    return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=False),
-             count_hf(hf_model, slots)) for slots in slot_counts]
+    return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=True, dtype=torch.bfloat16),
+             count_ours(model, slots, lean=False), count_hf(hf_model, slots)) for slots in slot_counts]
 
 
 def measure_parallel(slot_counts: list[int], experts: int, layout: dict) -> list[tuple]:
@@ -108,7 +111,8 @@ def measure_parallel(slot_counts: list[int], experts: int, layout: dict) -> list
     parallel = ParallelConfig(**layout)
     init_distributed(parallel, seed=0)
     model = HybridModel(config, transformer_config(config, parallel)).eval()
-    return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=False)) for slots in slot_counts]
+    return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=True, dtype=torch.bfloat16),
+             count_ours(model, slots, lean=False)) for slots in slot_counts]
 
 
 # The multi-process layouts counted beside a world of one (sequence parallelism, off in decode steps).
@@ -116,7 +120,7 @@ PARALLEL_LAYOUTS = {
     "TP 2 (expert TP 2: each rank a shard of every expert)":
         {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "EP 2 (16 experts a rank)": {"expert_model_parallel_size": 2},
-    "TP 2 + EP 2 (expert TP 1)": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+    "TP 2 + EP 2 (expert TP 1: the EP group within the TP group)": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                   "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
 }
 
@@ -129,17 +133,17 @@ def main() -> None:
     (rows,) = run_distributed(measure, 1, args.slots, args.experts, timeout_s=600.0)
     print(f"tiny model, {args.experts} experts, top-2; ops per layer per decode step (the most of any layer), "
           "host syncs per step\n")
-    print("| slots | lean | megatron | transformers | lean syncs | megatron syncs | transformers syncs |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for slots, (lean, lean_syncs), (megatron, megatron_syncs), (hf, hf_syncs) in rows:
-        print(f"| {slots} | {lean} | {megatron} | {hf} | {lean_syncs} | {megatron_syncs} | {hf_syncs} |")
+    print("| slots | lean fp32 | lean bf16 | megatron | transformers | lean syncs | megatron syncs | transformers syncs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for slots, (lean, lean_syncs), (lean_bf16, _), (megatron, megatron_syncs), (hf, hf_syncs) in rows:
+        print(f"| {slots} | {lean} | {lean_bf16} | {megatron} | {hf} | {lean_syncs} | {megatron_syncs} | {hf_syncs} |")
     for name, layout in PARALLEL_LAYOUTS.items():
         rows = run_distributed(measure_parallel, 2, args.slots, args.experts, layout, timeout_s=600.0)[0]
         print(f"\n{name}, 2 processes, rank 0; collectives counted as ops\n")
-        print("| slots | lean | megatron | lean syncs | megatron syncs |")
-        print("|---:|---:|---:|---:|---:|")
-        for slots, (lean, lean_syncs), (megatron, megatron_syncs) in rows:
-            print(f"| {slots} | {lean} | {megatron} | {lean_syncs} | {megatron_syncs} |")
+        print("| slots | lean fp32 | lean bf16 | megatron | lean syncs | megatron syncs |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for slots, (lean, lean_syncs), (lean_bf16, _), (megatron, megatron_syncs) in rows:
+            print(f"| {slots} | {lean} | {lean_bf16} | {megatron} | {lean_syncs} | {megatron_syncs} |")
 
 
 if __name__ == "__main__":

@@ -50,9 +50,9 @@ from megacispo.models.layers import (
     AttentionStep,
     InferenceCache,
     RMSNorm,
+    ScaledResidual,
     local_column_parallel_linear,
     row_parallel_linear,
-    scalar_operand,
 )
 from megacispo.models.lightning_mixer import LightningMixer, LightningMixerSubmodules
 from megacispo.models.softmax_attention import SoftmaxAttention, SoftmaxAttentionSubmodules
@@ -93,8 +93,8 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         # TransformerBlock passes the stage-local number; the global one (1-based) names the
         # layer in checkpoints and sets the lightning decay rates.
         self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
-        self.mixer_alpha, self.mixer_beta = mixer_alpha, mixer_beta
-        self.mlp_alpha, self.mlp_beta = mlp_alpha, mlp_beta
+        self.mixer_residual = ScaledResidual(mixer_alpha, mixer_beta)
+        self.mlp_residual = ScaledResidual(mlp_alpha, mlp_beta)
         norm_args = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.input_layernorm = build_module(submodules.input_layernorm, **norm_args)
         self.self_attention = build_module(
@@ -162,33 +162,21 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
             packed_seq_params=packed_seq_params,
             inference_context=inference_context,
         )
-        hidden_states = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
+        hidden_states = self.mixer_residual(normed, mixed)
         normed = self.pre_mlp_layernorm(hidden_states)
         moe_out, _ = self.mlp(normed, padding_mask=padding_mask)
-        return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, moe_out)
+        return self.mlp_residual(normed, moe_out)
 
     def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
         """One token per sequence, for HybridModel.decode_step: hidden [b, H] (every TP rank the same) -> [b, H],
         what forward computes for a one-token decode step, through the mixer's and the MoE's
-        ``step`` (no Megatron linears, router or token dispatcher in this process). ``attention``:
-        what the step's softmax layers share (``AttentionStep``; None in a model without them)."""
+        ``step`` (no Megatron linears, router or token dispatcher in this process), each of which adds
+        its residual in its last product. ``attention``: what the step's softmax layers share
+        (``AttentionStep``; None in a model without them)."""
         normed = self.input_layernorm.step(hidden)
-        mixed = self.self_attention.step(normed, cache, attention)
-        hidden = scaled_residual(self.mixer_alpha, normed, self.mixer_beta, mixed)
+        hidden = self.self_attention.step(normed, cache, attention, self.mixer_residual)
         normed = self.pre_mlp_layernorm.step(hidden)
-        return scaled_residual(self.mlp_alpha, normed, self.mlp_beta, self.mlp.step(normed, cache.rows_agree))
-
-
-def scaled_residual(alpha: float, normed: torch.Tensor, beta: float, update: torch.Tensor) -> torch.Tensor:
-    """MiniMax's post-norm residual alpha * normed + beta * update (the residual carries the
-    normalized input), as one add with alpha. beta = 1 (MiniMax's value) skips that product:
-    multiplying by 1 is exact."""
-    scaled_update = update if beta == 1.0 else scalar_operand(beta, update) * update
-    if torch.compiler.is_compiling():
-        # A compiled graph fuses the two ops anyway; inductor (torch 2.13) miscompiled add's alpha in
-        # the lean decode step (logits off by 10: tests/multiprocess/test_lean_decode.py).
-        return scalar_operand(alpha, normed) * normed + scaled_update
-    return torch.add(scaled_update, normed, alpha=alpha)
+        return self.mlp.step(normed, self.mlp_residual, cache.rows_agree)
 
 
 def local_moe_spec(num_experts: int) -> ModuleSpec:

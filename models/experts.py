@@ -55,7 +55,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megacispo.models.layers import StacksWeights, stack_weights_as_views
+from megacispo.models.layers import ScaledResidual, StacksWeights, stack_weights_as_views
 
 
 def supports_fused_forward(config: TransformerConfig) -> bool:
@@ -120,11 +120,14 @@ def decode_experts(
     top_experts: torch.Tensor,
     fc1_weight: torch.Tensor,
     fc2_weight: torch.Tensor,
+    residual_scale: float,
+    update_scale: float,
 ) -> torch.Tensor:
-    """The routed experts of a decode step: tokens [b, H], each with its k experts top_experts [b, k]
-    and routing weights probs [b, k], the local experts' stacked weights fc1_weight [E, 2F, H]
-    (``[W_gate; W_up]`` each) and fc2_weight [E, H, F] -> [b, H], the weighted expert outputs summed
-    per token in ascending expert order, as MoELayer sums them.
+    """The routed experts of a decode step with the residual around them: tokens [b, H] (the MoE's
+    normalized input), each with its k experts top_experts [b, k] and routing weights probs [b, k], the
+    local experts' stacked weights fc1_weight [E, 2F, H] (``[W_gate; W_up]`` each) and fc2_weight
+    [E, H, F] -> [b, H], ``residual_scale * tokens + update_scale * moe``, where moe is the weighted
+    expert outputs summed per token, what MoELayer computes (``ScaledResidual`` around it).
 
     A fixed number of ops whatever the routing, with no shape that depends on it and no host sync
     (a CUDA graph can hold it): the b * k (token, expert) rows are sorted by expert and run as two
@@ -132,8 +135,9 @@ def decode_experts(
     (fp64, fp32 on a GPU), every expert runs on every token and the unchosen outputs are weighted 0
     (``dense_expert_products``). The CPU layer's ``decode_experts_cpu`` serves fp32 on the CPU."""
     if grouped_products_take(tokens, fc1_weight, fc2_weight):
-        return grouped_expert_products(tokens, probs, top_experts, fc1_weight, fc2_weight)
-    return dense_expert_products(tokens, probs, top_experts, fc1_weight, fc2_weight)
+        return grouped_expert_products(tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale,
+                                       update_scale)
+    return dense_expert_products(tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale)
 
 
 def grouped_products_take(tokens: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> bool:
@@ -146,59 +150,69 @@ def grouped_products_take(tokens: torch.Tensor, fc1_weight: torch.Tensor, fc2_we
 
 def grouped_expert_products(
     tokens: torch.Tensor, probs: torch.Tensor, top_experts: torch.Tensor, fc1_weight: torch.Tensor,
-    fc2_weight: torch.Tensor, *, elsewhere: bool = False,
+    fc2_weight: torch.Tensor, residual_scale: float, update_scale: float, *, elsewhere: bool = False,
 ) -> torch.Tensor:
     """decode_experts through grouped products: Megatron's permutation (expert-major rows, token order
     within an expert: a stable sort of the token-major (token, slot) pairs by expert), each expert's
-    rows multiplied by its weights in one ``torch._grouped_mm`` per projection, then index_add_.
-    ``elsewhere``: top_experts may hold E (another rank's expert, ``local_expert_products``); those
-    rows sort last, past every group, so no product computes them, and their sums go to a scratch row."""
-    topk, num_experts = top_experts.shape[1], fc1_weight.shape[0]
+    rows multiplied by its weights in one ``torch._grouped_mm`` per projection; the outputs go back to
+    their pairs' places, and one batched product weighs each token's k outputs by its routing weights,
+    sums them and adds the residual. ``elsewhere``: top_experts may hold E (another rank's expert,
+    ``local_expert_products``); those rows sort last, past every group, so no product computes them,
+    and they are written to a scratch row: their pairs' outputs stay 0."""
+    batch, topk = top_experts.shape
+    num_experts = fc1_weight.shape[0]
     sorted_experts, order = torch.sort(top_experts.flatten(), stable=True)  # [b * k]
     # Where each expert's rows end (int32, as grouped_mm takes them), found on the device.
     ends = torch.searchsorted(sorted_experts, _expert_ids(num_experts, tokens.device), right=True, out_int32=True)
-    token_ids = order.div(topk, rounding_mode="floor")
-    rows = tokens.index_select(0, token_ids)  # [b * k, H]
-    expert_outputs = sorted_rows_products(rows, probs.flatten()[order], ends, fc1_weight, fc2_weight)
-    if not elsewhere:
-        return _sum_per_token(tokens, token_ids, expert_outputs)
-    batch = tokens.shape[0]
-    # The uncomputed rows (uninitialized memory) are summed into row ``batch``, which is dropped.
-    token_ids = token_ids.masked_fill(sorted_experts == num_experts, batch)
-    sums = tokens.new_zeros(batch + 1, tokens.shape[1]).index_add_(0, token_ids, expert_outputs.to(tokens.dtype))
-    return sums[:batch]
+    rows = tokens.index_select(0, order.div(topk, rounding_mode="floor"))  # [b * k, H]
+    expert_outputs = sorted_rows_products(rows, ends, fc1_weight, fc2_weight)  # [b * k, H], unweighted
+    pairs = batch * topk
+    if elsewhere:
+        # The uncomputed rows hold uninitialized memory: pair ``pairs``, dropped, takes them all.
+        order = order.masked_fill(sorted_experts == num_experts, pairs)
+        by_pair = expert_outputs.new_zeros(pairs + 1, tokens.shape[1]).index_copy_(0, order, expert_outputs)[:pairs]
+    else:
+        by_pair = torch.empty_like(expert_outputs).index_copy_(0, order, expert_outputs)
+    summed = torch.baddbmm(tokens[:, None], probs.to(tokens.dtype)[:, None], by_pair.view(batch, topk, -1),
+                           beta=residual_scale, alpha=update_scale)  # [b, 1, H]
+    return summed[:, 0]
 
 
 def local_expert_products(
     tokens: torch.Tensor, probs: torch.Tensor, local_experts: torch.Tensor, fc1_weight: torch.Tensor,
-    fc2_weight: torch.Tensor,
+    fc2_weight: torch.Tensor, residual_scale: float, update_scale: float,
 ) -> torch.Tensor:
     """This rank's part of decode_experts under expert parallelism: tokens [n, H] with routing weights
     probs [n, k] and local_experts [n, k], the index of each chosen expert among this rank's E
-    (fc1_weight [E, 2F, H], fc2_weight [E, H, F]), or E where another rank holds it -> [n, H], the
-    weighted outputs of this rank's experts summed per token (another rank adds the rest). Fixed
-    shapes and no host sync, like decode_experts: a pair of another rank's expert is computed by no
-    grouped product, and weighs 0 in the dense form."""
+    (fc1_weight [E, 2F, H], fc2_weight [E, H, F]), or E where another rank holds it -> [n, H],
+    ``residual_scale * tokens`` plus ``update_scale`` times the weighted outputs of this rank's experts
+    summed per token (the other ranks add the rest). Fixed shapes and no host sync, like
+    decode_experts: a pair of another rank's expert is computed by no grouped product, and weighs 0 in
+    the dense form."""
     if grouped_products_take(tokens, fc1_weight, fc2_weight):
-        return grouped_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight, elsewhere=True)
-    return dense_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight)
+        return grouped_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight, residual_scale,
+                                       update_scale, elsewhere=True)
+    return dense_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight, residual_scale, update_scale)
 
 
 def sorted_rows_products(
-    rows: torch.Tensor, probs: torch.Tensor, ends: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
+    rows: torch.Tensor, ends: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
+    probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows [n, H] sorted by expert, expert e's ending at ends[e] (int32 [E], on the device), with routing
-    weights probs [n] -> each row's expert output [n, H] (``expert_mlp``'s math), as two grouped
-    products over the stacked weights: two kernels whatever the experts' loads."""
+    """Rows [n, H] sorted by expert, expert e's ending at ends[e] (int32 [E], on the device) -> each
+    row's expert output [n, H] (``expert_mlp``'s math; with routing weights probs [n], applied after
+    the SwiGLU as Megatron's MLP applies them), as two grouped products over the stacked weights: two
+    kernels whatever the experts' loads."""
     gate, up = torch._grouped_mm(rows, fc1_weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     intermediate = F.silu(gate) * up
-    intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
+    if probs is not None:
+        intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
     return torch._grouped_mm(intermediate, fc2_weight.transpose(1, 2), offs=ends)
 
 
 def dense_expert_products(
     tokens: torch.Tensor, probs: torch.Tensor, top_experts: torch.Tensor, fc1_weight: torch.Tensor,
-    fc2_weight: torch.Tensor,
+    fc2_weight: torch.Tensor, residual_scale: float, update_scale: float,
 ) -> torch.Tensor:
     """decode_experts with every expert on every token ([E, b, ...] batched products), each token's
     unchosen experts weighted 0: E / k times the products of the grouped form, but in a decode step
@@ -211,7 +225,8 @@ def dense_expert_products(
     gate, up = torch.matmul(tokens, fc1_weight.transpose(1, 2)).chunk(2, dim=-1)  # [E, b, F] each
     intermediate = F.silu(gate) * up
     intermediate = (intermediate * weights).to(intermediate.dtype)
-    return torch.bmm(intermediate, fc2_weight.transpose(1, 2)).to(tokens.dtype).sum(dim=0)
+    moe = torch.bmm(intermediate, fc2_weight.transpose(1, 2)).to(tokens.dtype).sum(dim=0)
+    return ScaledResidual(residual_scale, update_scale)(tokens, moe)
 
 
 @functools.cache
@@ -234,13 +249,14 @@ def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
 # The op decode steps call: one node of a compiled graph, and a place for a backend's own kernel.
 _LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
 _LIBRARY.define(
-    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor fc1_weight, Tensor fc2_weight) -> Tensor"
+    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor fc1_weight, Tensor fc2_weight, "
+    "float residual_scale, float update_scale) -> Tensor"
 )
 _LIBRARY.impl("decode_experts", decode_experts, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("megacispo::decode_experts")
-def _(tokens, probs, top_experts, fc1_weight, fc2_weight) -> torch.Tensor:
+def _(tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale) -> torch.Tensor:
     return torch.empty_like(tokens)
 
 
@@ -264,7 +280,7 @@ class SkipEmptySequentialMLP(SequentialMLP, StacksWeights):
         if not torch.is_grad_enabled() and self._stacked is not None and grouped_products_take(rows, *self._stacked):
             # A rollout's step through Megatron's modules (TP, EP): two grouped products, no host sync.
             ends = tokens_per_expert.to(device=rows.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            return sorted_rows_products(rows, permuted_probs, ends, *self._stacked), None
+            return sorted_rows_products(rows, ends, *self._stacked, probs=permuted_probs), None
         fc1_weights, fc2_weights = self.expert_weights()
         return run_experts(
             permuted_local_hidden_states, tokens_per_expert.tolist(), permuted_probs, fc1_weights, fc2_weights,
@@ -334,9 +350,12 @@ class InProcessMoELayer(MoELayer):
         # A decode step's tokens are the same on every rank of the attention TP group (no sequence
         # parallelism for one token), so expert TP ranks within it can each run their shard of every
         # expert on all the tokens and add the partial outputs: no dispatch.
-        expert_tp_ranks = set(torch.distributed.get_process_group_ranks(dispatcher.tp_group))
-        shares_tokens = expert_tp_ranks <= set(torch.distributed.get_process_group_ranks(self.attn_tp_group))
-        self._expert_tp_size = dispatcher.tp_size
+        attention_tp_ranks = set(torch.distributed.get_process_group_ranks(self.attn_tp_group))
+        shares_tokens = set(torch.distributed.get_process_group_ranks(dispatcher.tp_group)) <= attention_tp_ranks
+        # Likewise an EP group within the attention TP group (TP 8 and EP 8 on one node) holds the same
+        # tokens on every rank: its step needs no gather, and adds the experts' outputs with an all-reduce.
+        self._ep_shares_tokens = set(torch.distributed.get_process_group_ranks(self.ep_group)) <= attention_tp_ranks
+        self._expert_tp_size, self._expert_tp_rank = dispatcher.tp_size, dispatcher.tp_group.rank()
         # What ``_route_tokens`` reproduces of TopKRouter: the softmax over the top-k logits
         # (topk_routing_with_score_function without pre-softmax, groups or fusion), no input jitter,
         # no bias, no Megatron replay (HybridModel attaches its own routing hook after this check;
@@ -366,9 +385,10 @@ class InProcessMoELayer(MoELayer):
 
     def steps_without_dispatcher(self, rows_agree: bool) -> bool:
         """Whether ``step`` routes and runs the experts itself, without Megatron's dispatcher: in this
-        process, or under EP by gathering the group's tokens, which needs ``rows_agree``: every rank of
-        the EP group steps as many rows (InferenceCache.rows_agree)."""
-        return self.steps_in_process or (self._steps_routing and rows_agree)
+        process, under EP on the tokens that the EP group already shares, or by gathering the group's
+        tokens, which needs ``rows_agree``: every rank of the EP group steps as many rows
+        (InferenceCache.rows_agree)."""
+        return self.steps_in_process or (self._steps_routing and (rows_agree or self._ep_shares_tokens))
 
     def forward(
         self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: torch.Tensor | None = None
@@ -384,11 +404,12 @@ class InProcessMoELayer(MoELayer):
         output = self._combine(tokens, token_ids, routing_map.sum(dim=0), probs.T[expert_ids, token_ids])
         return output.view(hidden_states.shape), None
 
-    def step(self, hidden: torch.Tensor, rows_agree: bool = False) -> torch.Tensor:
-        """One token per sequence (decoding): hidden [b, H] (every attention TP rank the same) -> [b, H],
-        what forward computes, with the router's math done here (no router module, autograd function
-        or [b, E] routing map) and, under expert TP, each rank's shard of the experts' outputs added
-        over the expert TP group.
+    def step(self, hidden: torch.Tensor, residual: ScaledResidual, rows_agree: bool = False) -> torch.Tensor:
+        """One token per sequence (decoding): hidden [b, H] (the layer's normalized input, every attention
+        TP rank the same) -> ``residual(hidden, forward(hidden))`` [b, H], with the router's math done
+        here (no router module, autograd function or [b, E] routing map) and the residual added in the
+        experts' last product (on the first rank of the groups that sum the outputs: ``alpha_on``);
+        under expert TP each rank's shard of the experts' outputs is added over the expert TP group.
 
         Under EP with ``rows_agree`` (every rank of the EP group steps b rows) the dispatch has fixed
         shapes and no host sync, where Megatron's all-to-all reads its split sizes on the host: the
@@ -397,30 +418,43 @@ class InProcessMoELayer(MoELayer):
         sums for its rows. Runs forward where neither applies (EP without agreed rows, under autograd, ...)."""
         if torch.is_grad_enabled() or not self.steps_without_dispatcher(rows_agree):
             output, _ = self.forward(hidden[None])
-            return output[0]
+            return residual(hidden, output[0])
         routes = self.router.router_replay  # models/routing.py's hook, attached by HybridModel
+        alpha = residual.alpha_on(self._ep_rank, self._expert_tp_rank)
         if self._ep_size == 1:
             probs, top_experts = self._route_tokens(hidden)  # [b, k] each
             if routes is not None:
                 routes.record_step(top_experts)
-            output = torch.ops.megacispo.decode_experts(hidden, probs, top_experts, *self.experts.stacked_weights())
+            output = torch.ops.megacispo.decode_experts(hidden, probs, top_experts, *self.experts.stacked_weights(),
+                                                        alpha, residual.beta)
         else:
-            output = self._step_expert_parallel(hidden, routes)
+            output = self._step_expert_parallel(hidden, routes, alpha, residual.beta)
         if self._expert_tp_size == 1:  # a compiled step holds no collective
             return output
         return tensor_parallel.reduce_from_tensor_model_parallel_region(output, group=self.token_dispatcher.tp_group)
 
-    def _step_expert_parallel(self, hidden: torch.Tensor, routes) -> torch.Tensor:
-        """``step``'s experts under EP: hidden [b, H] -> [b, H] of every expert-TP shard's experts."""
+    def _step_expert_parallel(self, hidden: torch.Tensor, routes, alpha: float, beta: float) -> torch.Tensor:
+        """``step``'s experts under EP: hidden [b, H] -> [b, H], ``alpha * hidden`` (the residual, from
+        the EP group's first rank, whose tokens hold every rank's rows) plus ``beta`` times the outputs of
+        this expert-TP shard's experts. An EP group within the attention TP group already shares its
+        tokens: its ranks add their experts' outputs with an all-reduce; any other gathers the group's
+        tokens and reduce-scatters the sums."""
         batch, width = hidden.shape
-        tokens = hidden.new_empty(self._ep_size * batch, width)  # the group's tokens, in rank order
-        torch.distributed.all_gather_single(tokens, hidden.contiguous(), group=self.ep_group)
-        probs, top_experts = self._route_tokens(tokens)  # [EP b, k] each
+        if self._ep_shares_tokens:
+            tokens, own = hidden, slice(None)
+        else:
+            tokens = hidden.new_empty(self._ep_size * batch, width)  # the group's tokens, in rank order
+            torch.distributed.all_gather_single(tokens, hidden.contiguous(), group=self.ep_group)
+            own = slice(self._ep_rank * batch, (self._ep_rank + 1) * batch)
+        probs, top_experts = self._route_tokens(tokens)  # [n, k] each
         if routes is not None:
-            routes.record_step(top_experts[self._ep_rank * batch:(self._ep_rank + 1) * batch])
+            routes.record_step(top_experts[own])
         local_experts = _local_expert_index(self.config.num_moe_experts, self.local_expert_indices[0],
                                             self.num_local_experts, hidden.device)[top_experts]
-        partial = local_expert_products(tokens, probs, local_experts, *self.experts.stacked_weights())
+        partial = local_expert_products(tokens, probs, local_experts, *self.experts.stacked_weights(), alpha, beta)
+        if self._ep_shares_tokens:
+            torch.distributed.all_reduce(partial, group=self.ep_group)
+            return partial
         output = hidden.new_empty(batch, width)
         torch.distributed.reduce_scatter_single(output, partial, group=self.ep_group)
         return output

@@ -55,6 +55,49 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.T
         return torch.tensor(value, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class ScaledResidual:
+    """MiniMax's scaled post-norm residual around a sublayer, ``alpha * normed + beta * update``: the
+    residual carries the sublayer's own normalized input (models/decoder_layer.py)."""
+
+    alpha: float
+    beta: float
+
+    def __call__(self, normed: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """As one add with alpha; beta = 1 (MiniMax's value) skips that product: multiplying by 1 is exact."""
+        scaled_update = update if self.beta == 1.0 else scalar_operand(self.beta, update) * update
+        if torch.compiler.is_compiling():
+            # A compiled graph fuses the two ops anyway; inductor (torch 2.13) miscompiled add's alpha in
+            # the lean decode step (logits off by 10: tests/multiprocess/test_lean_decode.py).
+            return scalar_operand(self.alpha, normed) * normed + scaled_update
+        return torch.add(scaled_update, normed, alpha=self.alpha)
+
+    def alpha_on(self, *group_ranks: int) -> float:
+        """The residual's factor on a rank whose partial update the given groups sum: alpha on the rank
+        that is first in each (``group_ranks``: its rank in them), 0 on the others, so that the sum
+        holds the residual once."""
+        return 0.0 if any(group_ranks) else self.alpha
+
+
+def row_parallel_step(
+    inputs: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor, residual: ScaledResidual, tp_group
+) -> torch.Tensor:
+    """A decode step's row-parallel output projection with the residual around it: inputs [b, K / TP]
+    and this rank's weight [H, K / TP] -> ``residual(normed, inputs @ weight.T summed over TP)`` [b, H],
+    as one addmm on each rank (the residual from the group's first: ``alpha_on``; addmm does not read
+    its input where that factor is 0) and, at TP > 1, one all-reduce."""
+    alpha = residual.alpha_on(tp_group.rank())
+    if torch.compiler.is_compiling():
+        # Inductor lowers addmm to the product and a fused epilogue anyway, and scaling the residual
+        # there is what it miscompiled (ScaledResidual): the two ops of the eager form.
+        out = ScaledResidual(alpha, residual.beta)(normed, F.linear(inputs, weight))
+    else:
+        out = torch.addmm(normed, inputs, weight.t(), beta=alpha, alpha=residual.beta)
+    if tp_group.size() == 1:
+        return out
+    return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=tp_group)
+
+
 class RMSNorm(torch.nn.Module):
     """RMSNorm over the last dimension, computed in (at least) fp32 like HF's MiniMaxRMSNorm:
     weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype).
@@ -92,12 +135,17 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def rms_norm_step(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """A decode step's norm (three a layer, on a few rows): the op ``megacispo::rms_norm``, one call
-    where torch runs eight ops and a place for a backend's own kernel (the CPU layer has one,
-    parallel/cpu/); under torch.compile the torch ops, which the graph fuses with their neighbours."""
-    if torch.compiler.is_compiling():
-        return rms_norm(hidden, weight, eps)
-    return torch.ops.megacispo.rms_norm(hidden, weight, eps)
+    """A decode step's norm (three a layer, on a few rows) as one kernel. fp32 / fp64: ``rms_norm``'s
+    math through the op ``megacispo::rms_norm``, a place for a backend's own kernel (the CPU layer has
+    one, parallel/cpu/). bf16 (a GPU's rollouts): torch's fused rms_norm with the weight inside, which
+    normalizes in fp32 and rounds once, where ``rms_norm`` (HF's order, the training forward) rounds
+    the normalized rows before the weight and runs four kernels: the two may differ in the last bit.
+    Under torch.compile the torch ops, which the graph fuses with their neighbours."""
+    if hidden.dtype in _FP32_OR_WIDER and not torch.compiler.is_compiling():
+        return torch.ops.megacispo.rms_norm(hidden, weight, eps)
+    if weight.dtype == hidden.dtype:
+        return F.rms_norm(hidden, (hidden.shape[-1],), weight, eps)
+    return rms_norm(hidden, weight, eps)
 
 
 _LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
@@ -145,7 +193,26 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class TensorParallelRMSNorm(torch.nn.Module):
+class StacksWeights:
+    """A module whose decode step multiplies by one tensor holding several of its linears' weights
+    (the experts of a MoE layer, a softmax layer's q / k / v): HybridModel.generation_dtype makes the
+    tensor for a rollout (``stacking_weights``) and drops it after (``forget_stacks``)."""
+
+    def stacked_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters ``stacking_weights`` copies (generation_dtype copies them no other way)."""
+        raise NotImplementedError
+
+    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        """Make the stacks in ``dtype_of(weight)`` with the parameters' places taken by views of them;
+        returns what ``stack_weights_as_views`` returns, to put back."""
+        raise NotImplementedError
+
+    def forget_stacks(self) -> None:
+        """Drop the stacks (the parameters are put back): later steps stack on each call."""
+        raise NotImplementedError
+
+
+class TensorParallelRMSNorm(torch.nn.Module, StacksWeights):
     """RMSNorm over channels that are split across the TP group (the lightning attention's nh * d
     output channels, split by heads): the mean of squares is summed over the group, so TP = 2
     computes exactly what TP = 1 does. The weight is TP-sharded like the channels."""
@@ -161,6 +228,7 @@ class TensorParallelRMSNorm(torch.nn.Module):
             torch.ones(local_size, dtype=config.params_dtype, device=parameter_device(config))
         )
         tensor_parallel.set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+        self._full_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         wide = at_least_fp32(hidden)
@@ -170,18 +238,47 @@ class TensorParallelRMSNorm(torch.nn.Module):
         return _rms_normalize(hidden, wide, sum_squares, self.hidden_size, self.eps, self.weight)
 
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A decode step's norm of this rank's channels [b, C / TP], without autograd. At TP > 1 the
-        rows are all-gathered and every rank normalizes all C channels with torch's rms_norm, then keeps
-        its own: three kernels (gather, norm, weight), where the sums of squares' all-reduce sits
-        between eight; the gathered rows are a decode step's few."""
+        """A decode step's norm of this rank's channels [b, C / TP], without autograd (``rms_norm_step``'s
+        math). At TP > 1 the rows are all-gathered and every rank normalizes all C channels with the
+        whole weight (``full_weight``) in one kernel, then keeps its own: where the sums of squares'
+        all-reduce sits between eight, the gathered rows are a decode step's few."""
         if self.tp_size == 1:
             return rms_norm_step(hidden, self.weight, self.eps)
         batch, local = hidden.shape
         gathered = hidden.new_empty(self.tp_size * batch, local)
         torch.distributed.all_gather_single(gathered, hidden.contiguous(), group=self.tp_group)
-        rows = at_least_fp32(gathered).view(self.tp_size, batch, local).transpose(0, 1)  # [b, TP, C / TP]
-        normed = F.rms_norm(rows, (self.tp_size, local), eps=self.eps)[:, self.tp_group.rank()]
-        return self.weight * normed.to(hidden.dtype)
+        rows = gathered.view(self.tp_size, batch, local).transpose(0, 1).reshape(batch, -1)  # [b, C]
+        normed = rms_norm_step(rows, self.full_weight(), self.eps)
+        return normed.view(batch, self.tp_size, local)[:, self.tp_group.rank()]
+
+    def full_weight(self) -> torch.Tensor:
+        """The weight of all C channels [C]: within a rollout the one ``stacking_weights`` gathered, else
+        all-gathered now (a collective: the training weights change every step)."""
+        if self._full_weight is not None:
+            return self._full_weight
+        return self._gather_weight(self.weight.dtype)
+
+    def stacked_parameters(self) -> list[torch.nn.Parameter]:
+        return [self.weight] if self.tp_size > 1 else []
+
+    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        """At TP > 1 the whole weight, gathered once for the rollout, this rank's weight a view of its slice."""
+        if self.tp_size == 1:
+            return []
+        weight = self.weight
+        self._full_weight = self._gather_weight(dtype_of(weight))
+        copy = torch.nn.Parameter(self._full_weight.chunk(self.tp_size)[self.tp_group.rank()], requires_grad=False)
+        copy.__dict__.update(weight.__dict__)  # Megatron's attributes (tensor_model_parallel, ...)
+        self._parameters["weight"] = copy
+        return [(self, "weight", weight)]
+
+    def forget_stacks(self) -> None:
+        self._full_weight = None
+
+    def _gather_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        full = self.weight.new_empty(self.hidden_size, dtype=dtype)
+        torch.distributed.all_gather_single(full, self.weight.detach().to(dtype), group=self.tp_group)
+        return full
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return make_sharded_tensors_for_checkpoint(
@@ -211,25 +308,6 @@ def stack_weights_as_views(
         replaced.append((linear, "weight", weight))
         linear._parameters["weight"] = copy
     return stack, replaced
-
-
-class StacksWeights:
-    """A module whose decode step multiplies by one tensor holding several of its linears' weights
-    (the experts of a MoE layer, a softmax layer's q / k / v): HybridModel.generation_dtype makes the
-    tensor for a rollout (``stacking_weights``) and drops it after (``forget_stacks``)."""
-
-    def stacked_parameters(self) -> list[torch.nn.Parameter]:
-        """The parameters ``stacking_weights`` copies (generation_dtype copies them no other way)."""
-        raise NotImplementedError
-
-    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-        """Make the stacks in ``dtype_of(weight)`` with the parameters' places taken by views of them;
-        returns what ``stack_weights_as_views`` returns, to put back."""
-        raise NotImplementedError
-
-    def forget_stacks(self) -> None:
-        """Drop the stacks (the parameters are put back): later steps stack on each call."""
-        raise NotImplementedError
 
 
 def local_column_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):

@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
@@ -34,6 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megacispo.models.layers import (
     AttentionStep,
     InferenceCache,
+    ScaledResidual,
     StacksWeights,
     TensorParallelRMSNorm,
     at_least_fp32,
@@ -41,6 +41,7 @@ from megacispo.models.layers import (
     local_column_parallel_linear,
     parameter_device,
     row_parallel_linear,
+    row_parallel_step,
     stack_weights_as_views,
 )
 from megacispo.models.lightning import (
@@ -79,7 +80,7 @@ class LightningMixer(MegatronModule, StacksWeights):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.tp_group = pg_collection.tp
-        self.tp_size = tp_size = self.tp_group.size()
+        tp_size = self.tp_group.size()
         tp_rank = self.tp_group.rank()
         self.layer_idx = layer_number - 1  # global, 0-based: it sets the decay rates
         self.block_size = block_size
@@ -140,12 +141,15 @@ class LightningMixer(MegatronModule, StacksWeights):
         out, _ = self.out_proj(torch.sigmoid(gate) * self.norm(out))
         return out
 
-    def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
-        """One token per sequence, for HybridModel.decode_step: hidden [b, H] (every TP rank the same)
-        -> [b, H], what forward computes for a one-token decode step, in the same op order and dtypes,
-        with plain matmuls on this rank's shards of the projections' weights (its heads) instead of
-        Megatron's linears, the output projection's partial sums added over the TP group. The layer's
-        state in ``cache`` advances in place; ``attention`` is unused (the mixers share one signature)."""
+    def step(
+        self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None, residual: ScaledResidual
+    ) -> torch.Tensor:
+        """One token per sequence, for HybridModel.decode_step: hidden [b, H] (the layer's normalized
+        input, every TP rank the same) -> ``residual(hidden, forward(hidden))`` [b, H], what forward
+        computes for a one-token decode step, in the same op order and dtypes, with plain matmuls on
+        this rank's shards of the projections' weights (its heads) instead of Megatron's linears, and
+        the residual added in the output projection (``row_parallel_step``). The layer's state in
+        ``cache`` advances in place; ``attention`` is unused (the mixers share one signature)."""
         batch, qkv_width = hidden.shape[0], 3 * self.num_local_heads * self.head_dim
         projected = F.linear(hidden, self.projection_weight())  # [b, 4 heads d]: q, k, v, then the gate
         qkv = F.silu(projected[:, :qkv_width]).reshape(batch, self.num_local_heads, 3 * self.head_dim)
@@ -154,10 +158,8 @@ class LightningMixer(MegatronModule, StacksWeights):
             q, k, v, self.step_decay(q.device, q.dtype), cache.lightning_states[self.layer_idx], cache.live_rows
         )
         out = out.to(hidden.dtype).reshape(batch, -1)  # [b, heads * d]
-        out = F.linear(torch.sigmoid(projected[:, qkv_width:]) * self.norm.step(out), self.out_proj.weight)
-        if self.tp_size == 1:  # a compiled step (TP = 1) holds no collective
-            return out
-        return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        gated = torch.sigmoid(projected[:, qkv_width:]) * self.norm.step(out)
+        return row_parallel_step(gated, self.out_proj.weight, hidden, residual, self.tp_group)
 
     def projection_weight(self) -> torch.Tensor:
         """[4 heads d, H]: this rank's q / k / v weight, then its output gate's (both take the layer's

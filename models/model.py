@@ -316,8 +316,9 @@ class HybridModel(LanguageModule):
     @contextlib.contextmanager
     def generation_dtype(self, dtype: torch.dtype) -> Iterator[None]:
         """Run the model in ``dtype`` within the block (rollout.dtype): every parameter is replaced by a
-        copy in ``dtype``, except the LM head's with fp32_lm_head, whose copy is fp32 (the head
-        computes in fp32, as in training, without casting a bf16 weight at every step); the
+        copy in ``dtype``, except those of modules that compute in fp32 as in training, whose copies
+        are fp32 (not a bf16 weight cast at every step): the LM head's with fp32_lm_head, the MoE
+        routers' with moe_router_dtype fp32 (Megatron's router_gating_linear); the
         parameters are put back on exit, untouched. float32 means at least fp32: an fp64 model (the
         tests' exact references) stays fp64. The weights a decode step multiplies together (each MoE
         layer's experts, a softmax layer's q / k / v: ``layers.StacksWeights``) are copied into one
@@ -336,11 +337,13 @@ class HybridModel(LanguageModule):
         rule for the token count (a decode step has as many tokens as running slots) or uses TE's FP8
         weight cache, which only Megatron's schedule refreshes after an optimizer step.
         """
-        fp32_head = self.post_process and self.hybrid_config.fp32_lm_head
-        head = self.output_layer.weight if self.post_process else None
+        computing_in_fp32 = {id(layer.mlp.router.weight) for layer in self.decoder.layers
+                             if self.config.moe_router_dtype in ("fp32", "fp64")}
+        if self.post_process and self.hybrid_config.fp32_lm_head:
+            computing_in_fp32.add(id(self.output_layer.weight))
 
         def target(param: torch.Tensor) -> torch.dtype:
-            if param is head and fp32_head:
+            if id(param) in computing_in_fp32:
                 return torch.promote_types(param.dtype, torch.float32)
             return torch.promote_types(param.dtype, dtype) if dtype == torch.float32 else dtype
 

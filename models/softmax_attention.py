@@ -23,7 +23,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
@@ -32,11 +31,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megacispo.models.layers import (
     AttentionStep,
     InferenceCache,
+    ScaledResidual,
     StacksWeights,
     apply_rotary,
     enter_tensor_parallel_region,
     local_column_parallel_linear,
     row_parallel_linear,
+    row_parallel_step,
     stack_weights_as_views,
 )
 from megacispo.models.softmax_cp import attention_cp, attention_cp_ring, document_causal_mask, masked_attention
@@ -67,7 +68,7 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.tp_group = pg_collection.tp
-        self.tp_size = tp_size = self.tp_group.size()
+        tp_size = self.tp_group.size()
         self.layer_idx = layer_number - 1
         self.head_dim = config.kv_channels
         self.num_local_heads = config.num_attention_heads // tp_size
@@ -118,13 +119,16 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         out, _ = self.o_proj(out)
         return out
 
-    def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
-        """One token per sequence, for HybridModel.decode_step: hidden [b, H] (every TP rank the same)
-        -> [b, H], what forward computes for a one-token decode step, with one matmul on this rank's
-        q / k / v weights (``qkv_weight``: its heads) instead of Megatron's three linears, the output
-        projection's partial sums added over the TP group; ``attention``: the step's rotation (of q
-        and k together: they sit side by side in the product) and key bias. The token's key and value
-        are written at ``cache.column`` (``InferenceCache.step_kv``), and the attention reads the step's span."""
+    def step(
+        self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep, residual: ScaledResidual
+    ) -> torch.Tensor:
+        """One token per sequence, for HybridModel.decode_step: hidden [b, H] (the layer's normalized
+        input, every TP rank the same) -> ``residual(hidden, forward(hidden))`` [b, H], what forward
+        computes for a one-token decode step, with one matmul on this rank's q / k / v weights
+        (``qkv_weight``: its heads) instead of Megatron's three linears, and the residual added in the
+        output projection (``row_parallel_step``); ``attention``: the step's rotation (of q and k
+        together: they sit side by side in the product) and key bias. The token's key and value are
+        written at ``cache.column`` (``InferenceCache.step_kv``), and the attention reads the step's span."""
         batch, heads, kv_heads, dim = hidden.shape[0], self.num_local_heads, self.num_local_kv_heads, self.head_dim
         qkv = F.linear(hidden, self.qkv_weight())  # [b, (heads + 2 kv heads) d]
         qk = attention.rotate(qkv[:, : (heads + kv_heads) * dim].view(batch, heads + kv_heads, 1, dim))
@@ -134,10 +138,7 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         # The newest position sees every earlier one: pad keys and positions past it are masked (the
         # same keys as _padded_causal_mask's last row masks, since the token itself is valid).
         out = decode_attention(q, k, v, attention.key_bias, self.head_dim**-0.5)  # [b, heads, 1, d]
-        out = F.linear(out.reshape(batch, -1), self.o_proj.weight)
-        if self.tp_size == 1:  # a compiled step (TP = 1) holds no collective
-            return out
-        return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return row_parallel_step(out.reshape(batch, -1), self.o_proj.weight, hidden, residual, self.tp_group)
 
     def qkv_weight(self) -> torch.Tensor:
         """[(heads + 2 kv heads) d, H]: the q, k and v weights one after the other; within a rollout

@@ -8,7 +8,9 @@ is a CUDA build's and not the CPU build's:
   each) count as their composite implementations run, op by op, since a CUDA build runs those;
 - ``torch.nn.functional.rms_norm``, which the CPU build decomposes into six ops, counts as the one
   fused kernel (``aten::_fused_rms_norm``) that a CUDA build of torch 2.13 runs for it (the casts
-  around it still count).
+  around it still count);
+- a ``torch.distributed`` collective counts as its one ``c10d::`` op: gloo finishes some (the
+  reduce-scatter) with a copy into the output, where NCCL's one kernel writes the output itself.
 
 Reads of a device value on the host (``item``, ``tolist``, ``bool(tensor)``, ``int(tensor)``, ...)
 and ops whose output shape depends on the values (``nonzero``, ``masked_select``, ``unique``,
@@ -32,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _NO_KERNEL = {
     "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::_unsafe_view",
     "aten::lift_fresh", "aten::detach", "aten::alias", "aten::set_", "aten::resize_", "aten::_reshape_alias",
+    "aten::promote_types",
 }
 # A device-to-host read, or an output whose size the host must learn from the device.
 HOST_SYNC_OPS = {
@@ -56,6 +59,7 @@ class OpCounter(TorchDispatchMode):
         self.syncs_by_region: Counter[str] = Counter()
         self.region: str | None = None
         self._fused_depth = 0
+        self._collective_depth = 0
 
     @property
     def total(self) -> int:
@@ -78,9 +82,13 @@ class OpCounter(TorchDispatchMode):
         if func.namespace == "megacispo":
             with self:
                 return func.redispatch(_COMPOSITE, *args, **kwargs)
-        if self._fused_depth == 0 and not func.is_view and func._schema.name not in _NO_KERNEL:
-            self.count(func._schema.name)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if self._collective_depth and not name.startswith("c10d::"):
+            return out
+        if self._fused_depth == 0 and name not in _NO_KERNEL and (not func.is_view or _copied(args, out)):
+            self.count(name)
+        return out
 
     def __enter__(self):
         self._functions = _FusedFunctions(self)
@@ -103,6 +111,15 @@ class OpCounter(TorchDispatchMode):
             self.region = outer
 
 
+def _copied(args: tuple, out) -> bool:
+    """Whether an op that may return an alias of its input (``to``, ``contiguous``, ``reshape``: the
+    forms a custom op's composite implementation runs them in) made a new tensor: a copy kernel."""
+    if not isinstance(out, torch.Tensor):
+        return False
+    inputs = {arg.untyped_storage().data_ptr() for arg in args if isinstance(arg, torch.Tensor)}
+    return out.untyped_storage().data_ptr() not in inputs
+
+
 _COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
 
@@ -118,8 +135,16 @@ class _FusedFunctions(TorchFunctionMode):
         if func in _HOST_READS:
             # A CPU build reads these without dispatching an op; on a GPU each waits for the device.
             self.counter.host_sync(func.__name__)
+        if getattr(func, "__module__", "").startswith("torch.distributed"):
+            self.counter._collective_depth += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.counter._collective_depth -= 1
         if func not in _FUSED_ON_CUDA or self.counter._fused_depth:
             return func(*args, **kwargs)
+        if not args[0].is_contiguous():
+            self.counter.count("aten::clone")  # the fused kernel reads a contiguous copy of a strided input
         self.counter.count("aten::_fused_rms_norm")
         self.counter._fused_depth += 1
         try:

@@ -98,6 +98,13 @@ def test_addmm_in_place_and_with_bias(cpu_products):
     with_bias = torch.addmm(bias, a, b, beta=0.5, alpha=2.0)
     expected = 0.5 * bias.double() + 2.0 * (a.double() @ b.double())
     assert (with_bias.double() - expected).abs().max() <= 2e-5 * _scale(a, b)
+    # A decode step's output projection with the residual (rows @ weight.T: the few-rows kernel).
+    weight, residual = b.t().contiguous(), torch.randn(9, 21, generator=generator)
+    with_residual = torch.addmm(residual, a, weight.t(), beta=1.5, alpha=0.5)
+    expected = 1.5 * residual.double() + 0.5 * (a.double() @ b.double())
+    assert (with_residual.double() - expected).abs().max() <= 2e-5 * _scale(a, b)
+    unread = torch.addmm(torch.full((9, 21), float("nan")), a, weight.t(), beta=0.0)
+    assert (unread.double() - a.double() @ b.double()).abs().max() <= 1e-5 * _scale(a, b)
 
 
 @pytest.mark.parametrize("num_rows", [3, 40])
@@ -150,7 +157,8 @@ def _experts(num_experts: int, hidden: int, ffn: int, generator: torch.Generator
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 16, 33])
-def test_decode_experts_kernel_equals_the_fp64_experts(cpu_products, batch):
+@pytest.mark.parametrize("scales", [(0.0, 1.0), (1.7, 0.6)])
+def test_decode_experts_kernel_equals_the_fp64_experts(cpu_products, batch, scales):
     num_experts, topk, hidden, ffn = 6, 2, 37, 19
     generator = torch.Generator().manual_seed(batch)
     fc1, fc2 = _experts(num_experts, hidden, ffn, generator)
@@ -159,8 +167,8 @@ def test_decode_experts_kernel_equals_the_fp64_experts(cpu_products, batch):
     # Experts 0 and 5 never chosen: idle experts are skipped, the others get 1 to many rows.
     top_experts = torch.stack([torch.randperm(4, generator=generator)[:topk] + 1 for _ in range(batch)])
     with torch.no_grad():
-        actual = torch.ops.megacispo.decode_experts(tokens, probs, top_experts, fc1, fc2)
-        expected = decode_experts(tokens.double(), probs.double(), top_experts, fc1.double(), fc2.double())
+        actual = torch.ops.megacispo.decode_experts(tokens, probs, top_experts, fc1, fc2, *scales)
+        expected = decode_experts(tokens.double(), probs.double(), top_experts, fc1.double(), fc2.double(), *scales)
     assert actual.shape == tokens.shape and actual.dtype == torch.float32
     assert (actual.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
@@ -172,8 +180,8 @@ def test_decode_experts_in_bf16_is_the_torch_implementation(cpu_products):
     tokens, probs = torch.randn(3, 16, generator=generator).bfloat16(), torch.rand(3, 2, generator=generator)
     top_experts = torch.tensor([[0, 1], [2, 3], [1, 3]])
     with torch.no_grad():
-        assert torch.equal(torch.ops.megacispo.decode_experts(tokens, probs, top_experts, fc1, fc2),
-                           decode_experts(tokens, probs, top_experts, fc1, fc2))
+        assert torch.equal(torch.ops.megacispo.decode_experts(tokens, probs, top_experts, fc1, fc2, 1.5, 1.0),
+                           decode_experts(tokens, probs, top_experts, fc1, fc2, 1.5, 1.0))
 
 
 def test_bad_inputs_name_the_argument(cpu_products):
@@ -182,11 +190,11 @@ def test_bad_inputs_name_the_argument(cpu_products):
     tokens, probs = torch.randn(2, 16, generator=generator), torch.rand(2, 2, generator=generator)
     op = torch.ops.megacispo.decode_experts
     with pytest.raises(RuntimeError, match="expert id 3 outside"):
-        op(tokens, probs, torch.tensor([[0, 3], [1, 2]]), fc1, fc2)
+        op(tokens, probs, torch.tensor([[0, 3], [1, 2]]), fc1, fc2, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="fc1 weight must be a contiguous fp32"):
-        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), fc1.double(), fc2)
+        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), fc1.double(), fc2, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="expert 0 weights"):
-        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), fc1[:, :, :8].contiguous(), fc2)
+        op(tokens, probs, torch.tensor([[0, 1], [1, 2]]), fc1[:, :, :8].contiguous(), fc2, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, FEW_ROWS, 40])

@@ -3,8 +3,9 @@
 //   megacispo::few_rows_product(rows [m, K], weight [N, K]) -> [m, N]   rows @ weight.T, m <= 16
 //       (few_rows_product_into: into a given out);
 //       cpu_gemm.cpp sends torch's products of so few rows here
-//   decode_experts(tokens [b, H], probs [b, k], top_experts [b, k], fc1_weights, fc2_weights) -> [b, H]
-//       one MoE layer's routed experts: the fp32 CPU kernel of models/experts.py's op
+//   decode_experts(tokens [b, H], probs [b, k], top_experts [b, k], fc1_weights, fc2_weights,
+//                  residual_scale, update_scale) -> [b, H]
+//       one MoE layer's routed experts with the residual: the fp32 CPU kernel of models/experts.py's op
 //       megacispo::decode_experts
 //   rms_norm_rows(rows [m, C], weight [C], eps) -> [m, C]: the fp32 CPU kernel of models/layers.py's
 //       op megacispo::rms_norm
@@ -131,9 +132,11 @@ void expert_products(const std::vector<int64_t>& experts, const std::vector<int6
 // What models/experts.py's decode_experts computes: each token's k experts
 //   out_e = (silu(x W_gate^T) * (x W_up^T) * p_e) W_2^T,   fc1_weights[e] = [W_gate; W_up] [2F, H],
 // fc2_weights[e] = W_2 [H, F], summed per token in ascending expert order onto zero (Megatron's
-// expert-major rows, token order within an expert, then index_add_).
+// expert-major rows, token order within an expert, then index_add_); then
+// update_scale * that + residual_scale * x, the residual around the MoE.
 at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
-                          at::TensorList fc1_weights, at::TensorList fc2_weights) {
+                          at::TensorList fc1_weights, at::TensorList fc2_weights, double residual_scale,
+                          double update_scale) {
   const char* op = "decode_experts";
   check_fp32_contiguous(tokens, op, "tokens");
   check_fp32_contiguous(probs, op, "probs");
@@ -208,6 +211,11 @@ at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, con
     float* target = o + row_token[row] * hidden;
     for (int64_t h = 0; h < hidden; ++h) target[h] += y[row * hidden + h];
   }
+  const float residual = static_cast<float>(residual_scale), update = static_cast<float>(update_scale);
+  for (int64_t i = 0; i < batch * hidden; ++i) {
+    // A residual factor of 0 reads no token, as torch's baddbmm with beta 0.
+    o[i] = residual == 0.0f ? update * o[i] : update * o[i] + residual * x[i];
+  }
   return out;
 }
 
@@ -272,8 +280,10 @@ at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight) {
 }
 
 at::Tensor decode_experts_kernel(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
-                                 at::TensorList fc1_weights, at::TensorList fc2_weights) {
-  return decode_experts(tokens.contiguous(), probs, top_experts, fc1_weights, fc2_weights);
+                                 at::TensorList fc1_weights, at::TensorList fc2_weights, double residual_scale,
+                                 double update_scale) {
+  return decode_experts(tokens.contiguous(), probs, top_experts, fc1_weights, fc2_weights, residual_scale,
+                        update_scale);
 }
 
 at::Tensor rms_norm_kernel(const at::Tensor& rows, const at::Tensor& weight, double eps) {

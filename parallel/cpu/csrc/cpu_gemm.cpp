@@ -53,7 +53,8 @@ at::Tensor few_rows_product(const at::Tensor& rows, const at::Tensor& weight);
 void few_rows_product_into(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& out);
 extern const int64_t kFewRows;
 at::Tensor decode_experts_kernel(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
-                                 at::TensorList fc1_weights, at::TensorList fc2_weights);
+                                 at::TensorList fc1_weights, at::TensorList fc2_weights, double residual_scale,
+                                 double update_scale);
 at::Tensor rms_norm_kernel(const at::Tensor& rows, const at::Tensor& weight, double eps);
 }  // namespace megacispo
 
@@ -143,6 +144,14 @@ at::Tensor& addmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b, c
 
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b, const at::Scalar& beta,
                  const at::Scalar& alpha) {
+  // A decode step's output projections add the residual in the product (models/layers.py's
+  // row_parallel_step): the few-rows product, then the two scalings; a beta of 0 reads no input.
+  if (few_rows_take(a, b) && self.scalar_type() == at::kFloat) {
+    at::Tensor out = megacispo::few_rows_product(a.contiguous(), b.t());
+    if (alpha.to<double>() != 1.0) out.mul_(alpha);
+    if (beta.to<double>() != 0.0) out.add_(self.expand_as(out), beta);
+    return out;
+  }
   if (onednn_takes(a, b) && self.scalar_type() == at::kFloat) {
     at::Tensor out = self.expand({a.size(0), b.size(1)}).contiguous();
     at::native::mkldnn_matmul(a, b, out, beta.to<float>(), alpha.to<float>());
@@ -173,11 +182,14 @@ at::Tensor torch_implementation(const char* name, torch::jit::Stack stack) {
 
 // fc1_weight [E, 2F, H] and fc2_weight [E, H, F]: the experts' stacked weights.
 at::Tensor decode_experts(const at::Tensor& tokens, const at::Tensor& probs, const at::Tensor& top_experts,
-                          const at::Tensor& fc1_weight, const at::Tensor& fc2_weight) {
+                          const at::Tensor& fc1_weight, const at::Tensor& fc2_weight, double residual_scale,
+                          double update_scale) {
   if (tokens.scalar_type() == at::kFloat && probs.scalar_type() == at::kFloat) {
-    return megacispo::decode_experts_kernel(tokens, probs, top_experts, fc1_weight.unbind(0), fc2_weight.unbind(0));
+    return megacispo::decode_experts_kernel(tokens, probs, top_experts, fc1_weight.unbind(0), fc2_weight.unbind(0),
+                                            residual_scale, update_scale);
   }
-  return torch_implementation("megacispo::decode_experts", {tokens, probs, top_experts, fc1_weight, fc2_weight});
+  return torch_implementation("megacispo::decode_experts",
+                              {tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale});
 }
 
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
