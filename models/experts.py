@@ -55,7 +55,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megacispo.models.layers import ScaledResidual, StacksWeights, stack_weights_as_views
+from megacispo.models.layers import ScaledResidual, StacksWeights, all_gather_rows, stack_weights_as_views
 
 
 def supports_fused_forward(config: TransformerConfig) -> bool:
@@ -246,18 +246,18 @@ def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
         return torch.arange(num_experts, device=device)
 
 
-# The op decode steps call: one node of a compiled graph, and a place for a backend's own kernel.
+# The ops decode steps call: each one node of a compiled graph (whose tracing would otherwise hold
+# grouped products to their CUDA kernels' dtypes), and a place for a backend's own kernel.
 _LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
-_LIBRARY.define(
-    "decode_experts(Tensor tokens, Tensor probs, Tensor top_experts, Tensor fc1_weight, Tensor fc2_weight, "
-    "float residual_scale, float update_scale) -> Tensor"
-)
-_LIBRARY.impl("decode_experts", decode_experts, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("megacispo::decode_experts")
-def _(tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale) -> torch.Tensor:
-    return torch.empty_like(tokens)
+for _name, _implementation in (("decode_experts", decode_experts), ("local_expert_products", local_expert_products)):
+    _LIBRARY.define(
+        f"{_name}(Tensor tokens, Tensor probs, Tensor top_experts, Tensor fc1_weight, Tensor fc2_weight, "
+        "float residual_scale, float update_scale) -> Tensor"
+    )
+    _LIBRARY.impl(_name, _implementation, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"megacispo::{_name}")(
+        lambda tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale: torch.empty_like(tokens)
+    )
 
 
 class SkipEmptySequentialMLP(SequentialMLP, StacksWeights):
@@ -443,15 +443,15 @@ class InProcessMoELayer(MoELayer):
         if self._ep_shares_tokens:
             tokens, own = hidden, slice(None)
         else:
-            tokens = hidden.new_empty(self._ep_size * batch, width)  # the group's tokens, in rank order
-            torch.distributed.all_gather_single(tokens, hidden.contiguous(), group=self.ep_group)
+            tokens = all_gather_rows(hidden, self.ep_group)  # [EP b, H]: the group's tokens, in rank order
             own = slice(self._ep_rank * batch, (self._ep_rank + 1) * batch)
         probs, top_experts = self._route_tokens(tokens)  # [n, k] each
         if routes is not None:
             routes.record_step(top_experts[own])
         local_experts = _local_expert_index(self.config.num_moe_experts, self.local_expert_indices[0],
                                             self.num_local_experts, hidden.device)[top_experts]
-        partial = local_expert_products(tokens, probs, local_experts, *self.experts.stacked_weights(), alpha, beta)
+        partial = torch.ops.megacispo.local_expert_products(tokens, probs, local_experts, *self.experts.stacked_weights(),
+                                                           alpha, beta)
         if self._ep_shares_tokens:
             torch.distributed.all_reduce(partial, group=self.ep_group)
             return partial

@@ -55,6 +55,14 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.T
         return torch.tensor(value, dtype=dtype, device=device)
 
 
+def all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[n, ...] on each rank of ``group`` -> [size * n, ...]: every rank's rows, in rank order, in one
+    collective (no copy after it; under torch.compile a graph node on any device)."""
+    gathered = tensor.new_empty(group.size() * tensor.shape[0], *tensor.shape[1:])
+    torch.distributed.all_gather_single(gathered, tensor.contiguous(), group=group)
+    return gathered
+
+
 @dataclass(frozen=True)
 class ScaledResidual:
     """MiniMax's scaled post-norm residual around a sublayer, ``alpha * normed + beta * update``: the
@@ -245,8 +253,7 @@ class TensorParallelRMSNorm(torch.nn.Module, StacksWeights):
         if self.tp_size == 1:
             return rms_norm_step(hidden, self.weight, self.eps)
         batch, local = hidden.shape
-        gathered = hidden.new_empty(self.tp_size * batch, local)
-        torch.distributed.all_gather_single(gathered, hidden.contiguous(), group=self.tp_group)
+        gathered = all_gather_rows(hidden, self.tp_group)  # [TP b, C / TP]
         rows = gathered.view(self.tp_size, batch, local).transpose(0, 1).reshape(batch, -1)  # [b, C]
         normed = rms_norm_step(rows, self.full_weight(), self.eps)
         return normed.view(batch, self.tp_size, local)[:, self.tp_group.rank()]
@@ -276,9 +283,7 @@ class TensorParallelRMSNorm(torch.nn.Module, StacksWeights):
         self._full_weight = None
 
     def _gather_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        full = self.weight.new_empty(self.hidden_size, dtype=dtype)
-        torch.distributed.all_gather_single(full, self.weight.detach().to(dtype), group=self.tp_group)
-        return full
+        return all_gather_rows(self.weight.detach().to(dtype), self.tp_group)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return make_sharded_tensors_for_checkpoint(

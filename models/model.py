@@ -63,7 +63,14 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
-from megacispo.models.layers import AttentionStep, InferenceCache, RotaryEmbedding, StacksWeights, at_least_fp32
+from megacispo.models.layers import (
+    AttentionStep,
+    InferenceCache,
+    RotaryEmbedding,
+    StacksWeights,
+    all_gather_rows,
+    at_least_fp32,
+)
 from megacispo.models.routing import LayerRoutes, RoutingTargets, local_targets
 from megacispo.parallel.context import positions_in_documents, zigzag_positions
 from megacispo.parallel.layout import broadcast_from_last_stage
@@ -449,6 +456,8 @@ class HybridModel(LanguageModule):
             logits = self._decode_forward(token_ids, position_ids, None, cache, last_only=True)
             cache.advance_positions()
             return logits[:, -1], cache
+        # EP ranks whose rows differ step their MoE layers through Megatron's dispatcher: eagerly.
+        compiled = compiled and self._moe_steps_alone[cache.rows_agree]
         # This token and, compiled, one more (InferenceCache.reserve): the step never grows a buffer.
         cache.reserve(2 if compiled else 1)
         if compiled:
@@ -566,7 +575,8 @@ class HybridModel(LanguageModule):
         hidden = self.decoder.final_layernorm.step(hidden)
         logits = at_least_fp32(self._logits(hidden, plain=True))  # [b, V/TP]
         if self._tp_size > 1:
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+            shards = all_gather_rows(logits, self.pg_collection.tp).view(self._tp_size, *logits.shape)
+            logits = shards.transpose(0, 1).reshape(logits.shape[0], -1)  # [b, V]
         return hidden[None], logits[:, None]
 
     def _embed_step(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -583,13 +593,14 @@ class HybridModel(LanguageModule):
     @property
     def compiled_decode_supported(self) -> bool:
         """Whether ``decode_step(compiled=True)`` can trace the lean step as one graph: the lean path
-        applies to the layout, one stage holds every layer, no TP collective runs inside the step, and
-        every MoE layer routes its tokens in this process (no expert parallelism's all-to-all)."""
+        applies to the layout (local layers, no FP8), one stage holds every layer, and every MoE layer
+        steps without Megatron's dispatcher when its EP group's rows agree (as a rollout's lockstep
+        keeps them). The step's collectives (TP's sums and gathers, EP's gather and reduce-scatter) are
+        nodes of the graph; a step whose EP rows differ runs Megatron's modules, eagerly."""
         return (
             self._lean_step_supported
-            and self._tp_size == 1
             and self.pg_collection.pp.size() == 1
-            and all(getattr(layer.mlp, "steps_in_process", False) for layer in self.decoder.layers)
+            and self._moe_steps_alone[True]
         )
 
     def _compiled_lean_stage(self):
@@ -601,9 +612,9 @@ class HybridModel(LanguageModule):
         step of its bucket; the cache's buffers are marked as static addresses (mutated in place)."""
         if not self.compiled_decode_supported:
             raise ValueError(
-                "decode_step(compiled=True) (rollout.compile_decode) needs the lean decode step in one "
-                "process: tensor, pipeline and expert parallel size 1, local layers (no Transformer Engine or FP8); "
-                "set rollout.compile_decode=false for this layout"
+                "decode_step(compiled=True) (rollout.compile_decode) needs the lean decode step on one pipeline "
+                "stage: pipeline parallel size 1, local layers (no Transformer Engine or FP8) and MoE layers with "
+                "a plain top-k router; set rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
             options = {"guard_filter_fn": _lean_step_guards}

@@ -15,7 +15,9 @@ The compiled step (``decode_step(compiled=True)``, torch.compile of the lean pat
 same way in fp32 (the batch size changes midway and the softmax layer's cache grows: recompiles),
 and runs as compiled graphs: no decoder layer's ``step`` runs eagerly during its decode steps. Its
 guards leave out most checks of the modules (``_lean_step_guards``) but keep their Python values: two
-models that differ only in their norms' epsilon each get their own lean step's logits.
+models that differ only in their norms' epsilon each get their own lean step's logits. On 2 processes
+(TP 2 + EP 2; EP 2 in the slow tier) the compiled step traces without a graph break, its collectives
+inside the graph, and gives the Megatron path's logits.
 """
 
 from __future__ import annotations
@@ -292,5 +294,32 @@ def test_lean_step_of_parallel_layouts_equals_megatron_path(name):
             assert outcome["block_calls"] == {"lean": 0, "megatron": NUM_STEPS}, (rank, case, outcome["block_calls"])
             assert outcome["error"]["lean"] <= TOLERANCE["float64"] * outcome["scale"], (
                 f"{name} rank {rank} {case}: max abs difference {outcome['error']['lean']:.2e} "
+                f"at logits up to {outcome['scale']:.1f}"
+            )
+
+
+def _compare_compiled_parallel(layout: dict) -> dict:
+    from torch._dynamo.utils import counters
+
+    model = _build_model(torch.float32, layout)
+    prompts, steps = _inputs(model.vocab_size)
+    counters.clear()
+    outcome = _teacher_forced(model, prompts, steps, None, ("lean", "megatron", "compiled"), rows_agree=True)
+    outcome["graph_breaks"] = sum(counters["graph_break"].values())
+    return outcome
+
+
+# TP 2 + EP 2 in CI: TP's all-reduces and gathers, and EP's all-reduce within the TP group. EP 2's gather
+# and reduce-scatter (the tier's time) in the slow tier.
+@pytest.mark.parametrize("name", ["tp2_ep2", pytest.param("ep2", marks=pytest.mark.slow)])
+def test_compiled_step_of_parallel_layouts_equals_megatron_path(name):
+    """The compiled lean step on 2 processes (fp32): traced without a graph break, its collectives
+    nodes of the graph, no decoder layer run eagerly, the Megatron path's logits at every step."""
+    for rank, outcome in enumerate(run_distributed(_compare_compiled_parallel, 2, PARALLEL_LAYOUTS[name])):
+        assert outcome["graph_breaks"] == 0, (name, rank)
+        assert outcome["block_calls"]["compiled"] == 0 and outcome["layer_steps"]["compiled"] == 0, (name, rank)
+        for path in ("lean", "compiled"):
+            assert outcome["error"][path] <= TOLERANCE["float32"] * outcome["scale"], (
+                f"{name} rank {rank} {path}: max abs difference {outcome['error'][path]:.2e} "
                 f"at logits up to {outcome['scale']:.1f}"
             )

@@ -1,7 +1,8 @@
 """rollout.dtype: generation in its own precision while training keeps its own.
 
 - Within ``HybridModel.generation_dtype`` every weight is in the rollout's dtype but the LM head's
-  with model.fp32_lm_head, and the training weights come back untouched.
+  with model.fp32_lm_head and the MoE routers' (fp32 routing), and the training weights come back
+  untouched.
 - bf16 products take a correct path through the CPU layer (its kernels take fp32 only).
 - A bfloat16 rollout reports log-probs of its own computation: close to, not equal to, the fp32
   model's; the compiled decode step samples and records the same as the eager one.
@@ -50,13 +51,15 @@ def _dtypes_case() -> dict:
     return results
 
 
-def test_generation_dtype_casts_all_but_the_fp32_head_and_restores():
+def test_generation_dtype_casts_all_but_the_fp32_head_and_routers_and_restores():
     (results,) = run_distributed(_dtypes_case, 1)
     for fp32_head, result in results.items():
         assert result["restored"]
         assert result["logits"] == torch.float32
         head = result["inside"].pop("output_layer.weight")
         assert head == (torch.float32 if fp32_head else torch.bfloat16)
+        routers = {name: result["inside"].pop(name) for name in list(result["inside"]) if ".mlp.router." in name}
+        assert routers and set(routers.values()) == {torch.float32}, routers
         assert set(result["inside"].values()) == {torch.bfloat16}
 
 

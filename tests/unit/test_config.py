@@ -206,8 +206,6 @@ def test_example_configs_load(path):
 @pytest.mark.parametrize(
     "layout, message",
     [
-        ("parallel.expert_model_parallel_size=2", r"needs parallel.expert_model_parallel_size = 1, got 2"),
-        ("parallel.tensor_model_parallel_size=2", r"needs parallel.tensor_model_parallel_size = 1, got 2"),
         ("parallel.pipeline_model_parallel_size=2", r"needs parallel.pipeline_model_parallel_size = 1, got 2"),
         ("precision.use_transformer_engine=true", r"needs precision.transformer_engine = False, got True"),
     ],
@@ -217,6 +215,8 @@ def test_compile_decode_refuses_a_layout_it_cannot_trace(layout, message):
     with pytest.raises(ValueError, match=rf"rollout.compile_decode = true {message}.*rollout.compile_decode=false"):
         run_config(None, ["rollout.compile_decode=true", layout])
     assert run_config(None, ["rollout.compile_decode=true"]).rollout.compile_decode
+    parallel = ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2"]
+    assert run_config(None, ["rollout.compile_decode=true", *parallel]).rollout.compile_decode
 
 
 @pytest.mark.parametrize(
