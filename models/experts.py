@@ -33,15 +33,17 @@ permute / sort / unpermute bookkeeping cost a CPU decode step about as much as t
 ``step`` (HybridModel's lean decode step, one token per sequence) also does the router's math
 itself, as TopKRouter computes it for this model's configuration, without the router module's
 autograd function and [tokens, experts] routing map; one sequence runs just its top-k experts.
-Under tensor parallelism (EP = 1) the step needs no dispatcher either: a decode step's tokens are the
-same on every attention TP rank, so each runs its expert-TP shard of every expert on them and the
-partial outputs are added over the expert TP group (one all-reduce).
-The experts of a step are computed by the op ``megacispo::decode_experts`` from the experts'
-stacked weights (``stacked_weights``: HybridModel.generation_dtype stacks them once per rollout) as
-a fixed number of ops with no host sync, whatever the routing: grouped products
-(``torch._grouped_mm``) over all slots' routed tokens, or a dense form where no grouped product takes
-the dtype. A backend may register a kernel of its own for the op (the CPU layer does, parallel/cpu/);
-under torch.compile (``decode_step(compiled=True)``) it is one node of the graph.
+Under tensor parallelism the step needs no dispatcher either: a decode step's tokens are the same on
+every attention TP rank, so each runs its expert-TP shard of every expert on them and the partial
+outputs are added over the expert TP group (one all-reduce); under EP with agreed rows it gathers the
+group's tokens (``step``).
+The experts of a step, with the layer's residual, are computed by the op ``megacispo::decode_experts``
+(under EP ``megacispo::local_expert_products``, a rank's own experts) from the experts' stacked weights
+(``stacked_weights``: HybridModel.generation_dtype stacks them once per rollout) as a fixed number of
+ops with no host sync, whatever the routing: grouped products (``torch._grouped_mm``) over all slots'
+routed tokens, or a dense form where no grouped product takes the dtype. A backend may register a
+kernel of its own for an op (the CPU layer does for decode_experts, parallel/cpu/); under
+torch.compile (``decode_step(compiled=True)``) each is one node of the graph.
 """
 
 from __future__ import annotations

@@ -202,9 +202,9 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class StacksWeights:
-    """A module whose decode step multiplies by one tensor holding several of its linears' weights
-    (the experts of a MoE layer, a softmax layer's q / k / v): HybridModel.generation_dtype makes the
-    tensor for a rollout (``stacking_weights``) and drops it after (``forget_stacks``)."""
+    """A module whose decode step uses one tensor made of several weights (the experts of a MoE layer,
+    a softmax layer's q / k / v, a TP-sharded norm's whole weight): HybridModel.generation_dtype makes
+    the tensor for a rollout (``stacking_weights``) and drops it after (``forget_stacks``)."""
 
     def stacked_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters ``stacking_weights`` copies (generation_dtype copies them no other way)."""

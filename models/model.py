@@ -37,9 +37,11 @@ Under TP it adds the row-parallel outputs with one all-reduce each (the mixer's 
 the experts' expert-TP shards), gathers the lightning norm's rows and the LM head's vocabulary
 shards: every TP rank holds the step's tokens, so no dispatcher or sequence split runs. Under EP,
 when the EP ranks decode as many rows (``InferenceCache.rows_agree``), each MoE layer gathers the
-group's tokens and reduce-scatters its experts' sums instead of the all-to-all. Prefill, EP ranks
-whose rows differ and Transformer Engine layers use the Megatron modules; ``lean_decode = False``
-forces them for decode steps too.
+group's tokens and reduce-scatters its experts' sums instead of the all-to-all (an EP group within
+the TP group, whose ranks hold the same tokens, all-reduces them). Each sublayer adds the residual in
+its last product. Prefill, EP ranks whose rows differ and Transformer Engine layers use the Megatron
+modules; ``lean_decode = False`` forces them for decode steps too. The compiled step
+(``decode_step(compiled=True)``) traces the lean path at any TP and EP, its collectives in the graph.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ same way in fp32 (the batch size changes midway and the softmax layer's cache gr
 and runs as compiled graphs: no decoder layer's ``step`` runs eagerly during its decode steps. Its
 guards leave out most checks of the modules (``_lean_step_guards``) but keep their Python values: two
 models that differ only in their norms' epsilon each get their own lean step's logits. On 2 processes
-(TP 2 + EP 2; EP 2 in the slow tier) the compiled step traces without a graph break, its collectives
-inside the graph, and gives the Megatron path's logits.
+(TP 2 + EP 2, EP 2) the compiled step traces whole (fullgraph), its collectives inside the graph, and
+gives the Megatron path's logits: run by aot_eager in CI, by inductor in the slow tier.
 """
 
 from __future__ import annotations
@@ -298,10 +298,13 @@ def test_lean_step_of_parallel_layouts_equals_megatron_path(name):
             )
 
 
-def _compare_compiled_parallel(layout: dict) -> dict:
+def _compare_compiled_parallel(layout: dict, backend: str) -> dict:
     from torch._dynamo.utils import counters
 
     model = _build_model(torch.float32, layout)
+    if backend != "inductor":
+        # decode_step(compiled=True) runs the model's compiled stage: here traced whole and run by ``backend``.
+        model._compiled_lean = torch.compile(model._lean_stage, backend=backend, fullgraph=True)
     prompts, steps = _inputs(model.vocab_size)
     counters.clear()
     outcome = _teacher_forced(model, prompts, steps, None, ("lean", "megatron", "compiled"), rows_agree=True)
@@ -309,13 +312,18 @@ def _compare_compiled_parallel(layout: dict) -> dict:
     return outcome
 
 
-# TP 2 + EP 2 in CI: TP's all-reduces and gathers, and EP's all-reduce within the TP group. EP 2's gather
-# and reduce-scatter (the tier's time) in the slow tier.
-@pytest.mark.parametrize("name", ["tp2_ep2", pytest.param("ep2", marks=pytest.mark.slow)])
-def test_compiled_step_of_parallel_layouts_equals_megatron_path(name):
+# Traced whole (fullgraph) and run by aot_eager in CI: TP 2 + EP 2 (TP's all-reduces and gathers, EP's
+# all-reduce within the TP group) and EP 2 (EP's gather and reduce-scatter); inductor's compile of
+# each (a minute) in the slow tier.
+@pytest.mark.parametrize("name, backend", [
+    ("tp2_ep2", "aot_eager"), ("ep2", "aot_eager"),
+    pytest.param("tp2_ep2", "inductor", marks=pytest.mark.slow), pytest.param("ep2", "inductor", marks=pytest.mark.slow),
+])
+def test_compiled_step_of_parallel_layouts_equals_megatron_path(name, backend):
     """The compiled lean step on 2 processes (fp32): traced without a graph break, its collectives
     nodes of the graph, no decoder layer run eagerly, the Megatron path's logits at every step."""
-    for rank, outcome in enumerate(run_distributed(_compare_compiled_parallel, 2, PARALLEL_LAYOUTS[name])):
+    results = run_distributed(_compare_compiled_parallel, 2, PARALLEL_LAYOUTS[name], backend)
+    for rank, outcome in enumerate(results):
         assert outcome["graph_breaks"] == 0, (name, rank)
         assert outcome["block_calls"]["compiled"] == 0 and outcome["layer_steps"]["compiled"] == 0, (name, rank)
         for path in ("lean", "compiled"):
