@@ -431,7 +431,7 @@ class InProcessMoELayer(MoELayer):
                                                         alpha, residual.beta)
         else:
             output = self._step_expert_parallel(hidden, routes, alpha, residual.beta)
-        if self._expert_tp_size == 1:  # a compiled step holds no collective
+        if self._expert_tp_size == 1:  # one expert-TP rank: nothing to add, no autograd function's call
             return output
         return tensor_parallel.reduce_from_tensor_model_parallel_region(output, group=self.token_dispatcher.tp_group)
 

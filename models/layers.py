@@ -63,6 +63,14 @@ def all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
     return gathered
 
 
+def all_gather_columns(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[n, C / size] on each rank of ``group`` -> [n, C]: every rank's columns side by side, in rank
+    order (a row-parallel shard made whole): the rows' all-gather, then one copy to put them in place."""
+    rows, columns = tensor.shape
+    gathered = all_gather_rows(tensor, group).view(group.size(), rows, columns)
+    return gathered.transpose(0, 1).reshape(rows, -1)
+
+
 @dataclass(frozen=True)
 class ScaledResidual:
     """MiniMax's scaled post-norm residual around a sublayer, ``alpha * normed + beta * update``: the
@@ -253,9 +261,7 @@ class TensorParallelRMSNorm(torch.nn.Module, StacksWeights):
         if self.tp_size == 1:
             return rms_norm_step(hidden, self.weight, self.eps)
         batch, local = hidden.shape
-        gathered = all_gather_rows(hidden, self.tp_group)  # [TP b, C / TP]
-        rows = gathered.view(self.tp_size, batch, local).transpose(0, 1).reshape(batch, -1)  # [b, C]
-        normed = rms_norm_step(rows, self.full_weight(), self.eps)
+        normed = rms_norm_step(all_gather_columns(hidden, self.tp_group), self.full_weight(), self.eps)  # [b, C]
         return normed.view(batch, self.tp_size, local)[:, self.tp_group.rank()]
 
     def full_weight(self) -> torch.Tensor:

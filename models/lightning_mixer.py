@@ -80,8 +80,7 @@ class LightningMixer(MegatronModule, StacksWeights):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.tp_group = pg_collection.tp
-        tp_size = self.tp_group.size()
-        tp_rank = self.tp_group.rank()
+        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.layer_idx = layer_number - 1  # global, 0-based: it sets the decay rates
         self.block_size = block_size
         self.head_dim = config.kv_channels

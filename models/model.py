@@ -70,7 +70,7 @@ from megacispo.models.layers import (
     InferenceCache,
     RotaryEmbedding,
     StacksWeights,
-    all_gather_rows,
+    all_gather_columns,
     at_least_fp32,
 )
 from megacispo.models.routing import LayerRoutes, RoutingTargets, local_targets
@@ -346,8 +346,9 @@ class HybridModel(LanguageModule):
         rule for the token count (a decode step has as many tokens as running slots) or uses TE's FP8
         weight cache, which only Megatron's schedule refreshes after an optimizer step.
         """
-        computing_in_fp32 = {id(layer.mlp.router.weight) for layer in self.decoder.layers
-                             if self.config.moe_router_dtype in ("fp32", "fp64")}
+        computing_in_fp32 = set()
+        if self.config.moe_router_dtype in ("fp32", "fp64"):
+            computing_in_fp32.update(id(layer.mlp.router.weight) for layer in self.decoder.layers)
         if self.post_process and self.hybrid_config.fp32_lm_head:
             computing_in_fp32.add(id(self.output_layer.weight))
 
@@ -577,8 +578,7 @@ class HybridModel(LanguageModule):
         hidden = self.decoder.final_layernorm.step(hidden)
         logits = at_least_fp32(self._logits(hidden, plain=True))  # [b, V/TP]
         if self._tp_size > 1:
-            shards = all_gather_rows(logits, self.pg_collection.tp).view(self._tp_size, *logits.shape)
-            logits = shards.transpose(0, 1).reshape(logits.shape[0], -1)  # [b, V]
+            logits = all_gather_columns(logits, self.pg_collection.tp)  # [b, V]
         return hidden[None], logits[:, None]
 
     def _embed_step(self, token_ids: torch.Tensor) -> torch.Tensor:
