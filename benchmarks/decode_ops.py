@@ -9,15 +9,22 @@ and bare allocations left out, this project's custom ops as their composite impl
 rms_norm as torch's one fused CUDA kernel). A GPU launches about one kernel per op counted, so the
 columns are kernel launches per layer per generated token. Columns:
 
-- lean fp32 / lean bf16: HybridModel's lean decode step (local layers: what rollouts run at these
-  layouts) in fp32 (a CPU's rollout dtype) and bf16 (a GPU's: the casts to and from the fp32 parts,
-  the lightning state and the router, count),
+- lean fp32 / lean bf16: HybridModel's lean decode step (what rollouts run at these layouts, with
+  local layers and with Transformer Engine's, whose weights it multiplies the same way) in fp32 (a
+  CPU's rollout dtype) and bf16 (a GPU's: the casts to and from the fp32 parts, the lightning state
+  and the router, count),
+- compiled bf16: the lean step in bf16 through torch.compile (rollout.compile_decode), its kernels
+  read from the code inductor generates (``compiled_kernels``), the whole step's over its layers
+  (the embedding's and the LM head's few included); inductor's CPU code stands in for its GPU code
+  (both backends share its fusion decisions, if not every one),
 - megatron: the same step through Megatron's modules in fp32 (``lean_decode = False``: the path of
-  Transformer Engine layers and of EP ranks whose rows differ),
+  EP ranks whose rows differ),
 - HF: transformers' decode step with its MiniMaxCache,
 
 each the maximum over the model's layers (lightning and softmax layers differ), with the step's host
-syncs (``.item()`` / ``.tolist()`` and data-dependent shapes) as counted by the same counter.
+syncs (``.item()`` / ``.tolist()`` and data-dependent shapes) as counted by the same counter. Then the
+multi-process layouts, among them MiniMax-M1's (examples/configs/minimax_m1_512gpu.yaml: TP 8 with
+expert TP 8, EP 32 across TP groups) at 4 processes: TP 2, expert TP 2, EP 2.
 
     .venv/bin/python benchmarks/decode_ops.py [--slots 1 16 64] [--experts 32]
 """
@@ -59,6 +66,23 @@ def count_ours(model, slots: int, lean: bool, dtype: torch.dtype = torch.float32
     return max(layer_op_counts(counter)), len(counter.host_syncs)
 
 
+def count_compiled(model, slots: int) -> float:
+    """Kernels per layer of the compiled lean step in bf16: a fresh compile for this slot count, whose
+    generated code is read (``compiled_kernels``), the whole step's kernels over the model's layers."""
+    from torch._inductor.utils import run_and_get_code
+
+    from megacispo.testing.op_counter import compiled_kernels
+
+    input_ids, mask = prompts_for(slots, model.vocab_size)
+    model.lean_decode = True
+    torch.compiler.reset()
+    with model.generation_dtype(torch.bfloat16), model.recording_routes():
+        logits, cache = model.prefill(input_ids, mask)
+        cache.rows_agree = True
+        _, sources = run_and_get_code(model.decode_step, logits.argmax(-1), cache, compiled=True)
+    return sum(compiled_kernels(code) for code in sources) / len(model.decoder.layers)
+
+
 def count_hf(hf_model, slots: int) -> tuple[int, int]:
     from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
@@ -97,12 +121,14 @@ def measure(slot_counts: list[int], experts: int) -> list[tuple]:
     model.load_state_dict(hf_models.full_to_single_process(hf_models.hf_to_full(tensors, config)), strict=False)
     model.eval()
     return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=True, dtype=torch.bfloat16),
-             count_ours(model, slots, lean=False), count_hf(hf_model, slots)) for slots in slot_counts]
+             count_compiled(model, slots), count_ours(model, slots, lean=False), count_hf(hf_model, slots))
+            for slots in slot_counts]
 
 
-def measure_parallel(slot_counts: list[int], experts: int, layout: dict) -> list[tuple]:
+def measure_parallel(slot_counts: list[int], experts: int, layout: dict, compiled: bool = False) -> list[tuple]:
     """Both decode paths of the same model under a multi-process ``layout`` (random weights: the counts
-    do not depend on them), this rank's ops."""
+    do not depend on them), this rank's ops: (slots, lean fp32, lean bf16, megatron, compiled bf16 or
+    None) per slot count."""
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.parallel.layout import ParallelConfig, init_distributed
@@ -112,16 +138,21 @@ def measure_parallel(slot_counts: list[int], experts: int, layout: dict) -> list
     init_distributed(parallel, seed=0)
     model = HybridModel(config, transformer_config(config, parallel)).eval()
     return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=True, dtype=torch.bfloat16),
-             count_ours(model, slots, lean=False)) for slots in slot_counts]
+             count_ours(model, slots, lean=False), count_compiled(model, slots) if compiled else None)
+            for slots in slot_counts]
 
 
-# The multi-process layouts counted beside a world of one (sequence parallelism, off in decode steps).
+# The multi-process layouts counted beside a world of one (sequence parallelism, off in decode steps),
+# with their process counts.
 PARALLEL_LAYOUTS = {
     "TP 2 (expert TP 2: each rank a shard of every expert)":
-        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-    "EP 2 (16 experts a rank)": {"expert_model_parallel_size": 2},
-    "TP 2 + EP 2 (expert TP 1: the EP group within the TP group)": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
-                                  "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+        ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, 2),
+    "EP 2 (16 experts a rank)": ({"expert_model_parallel_size": 2}, 2),
+    "TP 2 + EP 2 (expert TP 1: the EP group within the TP group)":
+        ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+          "expert_tensor_parallel_size": 1}, 2),
+    "M1's layout: TP 2 + expert TP 2, EP 2 across TP groups":
+        ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2}, 4),
 }
 
 
@@ -133,17 +164,19 @@ def main() -> None:
     (rows,) = run_distributed(measure, 1, args.slots, args.experts, timeout_s=600.0)
     print(f"tiny model, {args.experts} experts, top-2; ops per layer per decode step (the most of any layer), "
           "host syncs per step\n")
-    print("| slots | lean fp32 | lean bf16 | megatron | transformers | lean syncs | megatron syncs | transformers syncs |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for slots, (lean, lean_syncs), (lean_bf16, _), (megatron, megatron_syncs), (hf, hf_syncs) in rows:
-        print(f"| {slots} | {lean} | {lean_bf16} | {megatron} | {hf} | {lean_syncs} | {megatron_syncs} | {hf_syncs} |")
-    for name, layout in PARALLEL_LAYOUTS.items():
-        rows = run_distributed(measure_parallel, 2, args.slots, args.experts, layout, timeout_s=600.0)[0]
-        print(f"\n{name}, 2 processes, rank 0; collectives counted as ops\n")
-        print("| slots | lean fp32 | lean bf16 | megatron | lean syncs | megatron syncs |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for slots, (lean, lean_syncs), (lean_bf16, _), (megatron, megatron_syncs) in rows:
-            print(f"| {slots} | {lean} | {lean_bf16} | {megatron} | {lean_syncs} | {megatron_syncs} |")
+    print("| slots | lean fp32 | lean bf16 | compiled bf16 | megatron | transformers | lean syncs | megatron syncs "
+          "| transformers syncs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for slots, (lean, lean_syncs), (lean_bf16, _), compiled, (megatron, megatron_syncs), (hf, hf_syncs) in rows:
+        print(f"| {slots} | {lean} | {lean_bf16} | {compiled:.1f} | {megatron} | {hf} | {lean_syncs} "
+              f"| {megatron_syncs} | {hf_syncs} |")
+    for name, (layout, processes) in PARALLEL_LAYOUTS.items():
+        rows = run_distributed(measure_parallel, processes, args.slots, args.experts, layout, True, timeout_s=1200.0)[0]
+        print(f"\n{name}, {processes} processes, rank 0; collectives counted as ops\n")
+        print("| slots | lean fp32 | lean bf16 | compiled bf16 | megatron | lean syncs | megatron syncs |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for slots, (lean, lean_syncs), (lean_bf16, _), (megatron, megatron_syncs), compiled in rows:
+            print(f"| {slots} | {lean} | {lean_bf16} | {compiled:.1f} | {megatron} | {lean_syncs} | {megatron_syncs} |")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,13 @@ and the exit status, not the rest of the check.
    log-probs and their gradient from a vocabulary shard of M1's size (V/TP = 200,064 / 8), the
    fused chunked LM head against logits @ log_softmax, with time and peak memory; relative error
    at most 1e-5.
-4. decode: ``generate`` on the ``small`` model with rollout.dtype = bfloat16, rollout.compile_decode
-   off and on, 16 slots: decode tokens/s, CUDA kernels per decode step (torch.profiler) and host
-   syncs per decode step (torch.cuda.set_sync_debug_mode("warn")), each the difference of two
-   generate calls of 16 and 64 tokens over their 48 decode steps (prefill excluded). Unbounded.
+4. decode: the ``small`` model with local layers, and with Transformer Engine layers built for FP8
+   GEMMs (--fp8-recipe; needs transformer-engine), in bf16 rollouts: the lean decode step against
+   Megatron's modules, the log-probs of 16 teacher-forced steps' tokens within 0.05; ``generate``
+   with rollout.compile_decode off and on, 16 slots: decode tokens/s, CUDA kernels per decode step
+   (torch.profiler) and host syncs per decode step (torch.cuda.set_sync_debug_mode("warn")), each
+   the difference of two generate calls of 16 and 64 tokens over their 48 decode steps (prefill
+   excluded), unbounded.
 
 5. the driver, as a user runs it: torchrun (NCCL, world size 1) launches the real entry points on
    the ``tiny`` model, in fp32 and in bf16 (--set precision.params_dtype=bfloat16), on the quick
@@ -55,7 +58,7 @@ Prints markdown tables; exits 1 if a check failed (its row says why), 2 without 
 Time budget: gpu_check.sh stops the check at TIME_LIMIT_S (540 s: a lent GPU gives 10 minutes per
 call) and passes --budget-s 20 s below it; past the budget no section and no driver stage starts
 (its row fails, saying so) and a running stage is stopped, so the tables print before the limit.
-Aimed at: sections 1-4 about 2 minutes; the driver the rest, 19 torchrun launches at 2+ GPUs (13 on
+Aimed at: sections 1-4 about 3 minutes; the driver the rest, 19 torchrun launches at 2+ GPUs (13 on
 one) of about 15 s each where CUDA starts fast (on the CPU twin they take 7-18 s, the compiled bf16
 rollout 35 s). Not yet measured on a GPU: where the budget runs out, --driver-dtype bfloat16 halves
 the driver and --skip-stage leaves single stages out.
@@ -703,25 +706,75 @@ DECODE_PROMPT_TOKENS = 64
 # Two generate calls of these many new tokens: their difference is decode steps alone, prefill and
 # set-up cancel out (every sample runs to its limit: no stop ids).
 DECODE_SHORT, DECODE_LONG = 16, 64
+# The lean decode step and Megatron's modules round differently in bf16 (norms, residuals, the routing
+# weights): their log-probs of the same tokens differ by a few bf16 roundings.
+DECODE_PATHS_BOUND = 0.05
 
 
 def decode_checks(args: argparse.Namespace, report: Report) -> None:
-    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.config import PrecisionConfig, model_config, transformer_config
     from megacispo.models.model import HybridModel
+    from megacispo.models.te_specs import require_transformer_engine
     from megacispo.parallel.layout import ParallelConfig
 
     world_of_one()
     config = model_config("small")
-    torch.manual_seed(0)
-    model = HybridModel(config, transformer_config(config, ParallelConfig())).cuda()
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, config.vocab_size, (DECODE_SLOTS, DECODE_PROMPT_TOKENS), generator=generator).tolist()
-    for compiled in (False, True):
-        case = f"small, {DECODE_SLOTS} slots, bf16, compile_decode {'on' if compiled else 'off'}"
-        with report.check("decode", case):
-            report.add(decode_row(model, prompts, compiled, case))
-    del model
-    torch.cuda.empty_cache()
+    try:
+        require_transformer_engine(args.fp8_recipe)
+        te_error = None
+    except ValueError as error:
+        te_error = error
+    # The local layers, and M1's kind of model: Transformer Engine layers built for FP8 GEMMs, whose
+    # rollouts run outside FP8 through the same lean step.
+    layers = {"local layers": PrecisionConfig(), f"TE layers (fp8 {args.fp8_recipe} model)":
+              PrecisionConfig(params_dtype="bfloat16", fp8=args.fp8_recipe)}
+    for name, precision in layers.items():
+        if precision.fp8 and te_error is not None:
+            report.add(Row("decode", f"small, {name}", note=f"skipped: {te_error}", skipped=True))
+            continue
+        torch.manual_seed(0)
+        model = HybridModel(config, transformer_config(config, ParallelConfig(), precision=precision)).cuda()
+        with report.check("decode paths", f"small, {name}, bf16"):
+            report.add(decode_paths_row(model, prompts, f"small, {name}, bf16"))
+        for compiled in (False, True):
+            case = f"small, {name}, {DECODE_SLOTS} slots, bf16, compile_decode {'on' if compiled else 'off'}"
+            with report.check("decode", case):
+                report.add(decode_row(model, prompts, compiled, case))
+        del model
+        torch.cuda.empty_cache()
+
+
+def decode_paths_row(model, prompts: list[list[int]], case: str, steps: int = DECODE_SHORT) -> Row:
+    """The lean decode step against Megatron's modules (``lean_decode = False``) in a bf16 rollout:
+    after one prefill, ``steps`` teacher-forced decode steps on each path (the lean path's greedy
+    tokens fed to both), the largest difference of the log-probs of those tokens, at most
+    DECODE_PATHS_BOUND."""
+    device = model.lm_head_weight.device
+    input_ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(input_ids, dtype=torch.bool)
+    gap = 0.0
+    with torch.no_grad(), model.generation_dtype(torch.bfloat16):
+        logits, lean_cache = model.prefill(input_ids, mask)
+        _, megatron_cache = model.prefill(input_ids, mask)
+        tokens = logits.argmax(-1)
+        try:
+            for _ in range(steps):
+                model.lean_decode = True
+                lean, lean_cache = model.decode_step(tokens, lean_cache)
+                model.lean_decode = False
+                megatron, megatron_cache = model.decode_step(tokens, megatron_cache)
+                tokens = lean.argmax(-1)
+                lean_logprobs, megatron_logprobs = (torch.log_softmax(step.float(), -1).gather(-1, tokens[:, None])
+                                                    for step in (lean, megatron))
+                gap = max(gap, (lean_logprobs - megatron_logprobs).abs().max().item())
+        finally:
+            model.lean_decode = True
+    return Row("decode paths", case, error=f"max |lean - megatron log-prob| {gap:.1e}",
+               bound=f"<= {DECODE_PATHS_BOUND:g}", failure=over_bound({"log-prob gap": gap}, DECODE_PATHS_BOUND),
+               note=f"{steps} teacher-forced decode steps of {len(prompts)} rows after a "
+                    f"{len(prompts[0])}-token prefill")
 
 
 def decode_row(model, prompts: list[list[int]], compiled: bool, case: str) -> Row:

@@ -492,19 +492,13 @@ def _check_micro_batches(config: Config, per_rank: int, what: str) -> None:
 
 
 def _check_compile_decode(config: Config) -> None:
-    """rollout.compile_decode traces the lean decode step: every layer on one pipeline stage, local layers."""
-    if not config.rollout.compile_decode:
-        return
-    blockers = [
-        ("parallel.pipeline_model_parallel_size", config.parallel.pipeline_model_parallel_size, 1),
-        ("precision.transformer_engine", config.precision.transformer_engine, False),
-    ]
-    for name, value, needed in blockers:
-        if value != needed:
-            raise ValueError(
-                f"rollout.compile_decode = true needs {name} = {needed}, got {value}: the compiled decode "
-                f"step is the lean step of every layer's local modules; set rollout.compile_decode=false"
-            )
+    """rollout.compile_decode traces the lean decode step, which needs every layer on one pipeline stage."""
+    pipeline = config.parallel.pipeline_model_parallel_size
+    if config.rollout.compile_decode and pipeline != 1:
+        raise ValueError(
+            f"rollout.compile_decode = true needs parallel.pipeline_model_parallel_size = 1, got {pipeline}: "
+            "the compiled decode step is the lean step of every layer on one stage; set rollout.compile_decode=false"
+        )
 
 
 def config_rollout_bytes(config: Config) -> int:

@@ -24,7 +24,9 @@ overlapped gradient reduction see every parameter.
 
 Configurations outside plain SwiGLU experts without bias (FP8 / FP4 padding, bias, other
 activations, clamped GLU, delayed weight gradients, probabilities applied on the input) run
-SequentialMLP's own forward.
+SequentialMLP's own forward. The Transformer Engine layers' experts are Megatron's TEGroupedMLP as
+``StackingTEGroupedMLP``, whose weights a rollout stacks like SkipEmptySequentialMLP's
+(``StacksExpertWeights``): the lean decode step runs either the same way.
 
 ``InProcessMoELayer`` is Megatron's MoELayer (same submodules and keys) that, when no gradient is
 recorded and every expert and token is in this process (EP = TP = 1: decoding, evaluation),
@@ -42,8 +44,9 @@ The experts of a step, with the layer's residual, are computed by the op ``megac
 (``stacked_weights``: HybridModel.generation_dtype stacks them once per rollout) as a fixed number of
 ops with no host sync, whatever the routing: grouped products (``torch._grouped_mm``) over all slots'
 routed tokens, or a dense form where no grouped product takes the dtype. A backend may register a
-kernel of its own for an op (the CPU layer does for decode_experts, parallel/cpu/); under
-torch.compile (``decode_step(compiled=True)``) each is one node of the graph.
+kernel of its own for an op (the CPU layer does for decode_experts, parallel/cpu/). Under
+torch.compile (``decode_step(compiled=True)``) a bf16 step traces the op's composite, whose
+elementwise ops the graph fuses; in other dtypes the op is one node of the graph (``step_experts``).
 """
 
 from __future__ import annotations
@@ -53,15 +56,22 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megacispo.models.layers import ScaledResidual, StacksWeights, all_gather_rows, stack_weights_as_views
+from megacispo.models.layers import (
+    ScaledResidual,
+    StacksWeights,
+    all_gather_rows,
+    stack_weights_as_views,
+    weight_places,
+)
 
 
-def supports_fused_forward(config: TransformerConfig) -> bool:
-    """Whether ``SkipEmptySequentialMLP`` computes these experts itself (plain SwiGLU, no bias)."""
+def swiglu_experts(config: TransformerConfig) -> bool:
+    """Whether the experts are plain SwiGLU MLPs without bias, weighted after the SwiGLU: the math of
+    ``expert_mlp`` and of the decode step's ``decode_experts``, whatever the GEMMs' precision."""
     return (
         config.gated_linear_unit
         and config.activation_func is F.silu
@@ -69,10 +79,14 @@ def supports_fused_forward(config: TransformerConfig) -> bool:
         and not config.use_te_activation_func
         and config.activation_func_clamp_value is None
         and config.glu_linear_offset == 0.0
-        and not (config.fp8 or config.fp4)
-        and not config.delay_wgrad_compute
         and not config.moe_apply_probs_on_input
     )
+
+
+def supports_fused_forward(config: TransformerConfig) -> bool:
+    """Whether ``SkipEmptySequentialMLP`` computes these experts itself: SwiGLU experts
+    (``swiglu_experts``) whose GEMMs are not FP8 / FP4, without delayed weight gradients."""
+    return swiglu_experts(config) and not (config.fp8 or config.fp4) and not config.delay_wgrad_compute
 
 
 def expert_mlp(tokens: torch.Tensor, probs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> torch.Tensor:
@@ -248,8 +262,20 @@ def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
         return torch.arange(num_experts, device=device)
 
 
-# The ops decode steps call: each one node of a compiled graph (whose tracing would otherwise hold
-# grouped products to their CUDA kernels' dtypes), and a place for a backend's own kernel.
+def step_experts(implementation, *args) -> torch.Tensor:
+    """A decode step's experts (``decode_experts`` or ``local_expert_products``, their arguments): the op
+    ``megacispo::<name>``, a place for a backend's own kernel and one node of a compiled graph, whose
+    tracing holds grouped products to their CUDA kernels' dtype (bf16) on every device; under
+    torch.compile a bf16 step (a GPU's rollouts) whose grouped products take it traces the composite
+    instead, so that the graph fuses the permutation's and the SwiGLU's elementwise ops with their
+    neighbours."""
+    tokens, fc1_weight, fc2_weight = args[0], args[3], args[4]
+    traced = torch.compiler.is_compiling() and tokens.dtype == torch.bfloat16
+    if traced and grouped_products_take(tokens, fc1_weight, fc2_weight):
+        return implementation(*args)
+    return getattr(torch.ops.megacispo, implementation.__name__)(*args)
+
+
 _LIBRARY = torch.library.Library("megacispo", "FRAGMENT")
 for _name, _implementation in (("decode_experts", decode_experts), ("local_expert_products", local_expert_products)):
     _LIBRARY.define(
@@ -262,14 +288,53 @@ for _name, _implementation in (("decode_experts", decode_experts), ("local_exper
     )
 
 
-class SkipEmptySequentialMLP(SequentialMLP, StacksWeights):
+class StacksExpertWeights(StacksWeights):
+    """Experts whose weights a rollout stacks, [E, 2F, H] and [E, H, F] (``stacked_weights``), for the
+    decode step's grouped products: Megatron's SequentialMLP (a linear per expert) and TEGroupedMLP
+    (Transformer Engine's grouped linears, ``weight{i}`` per expert) alike."""
+
+    _stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def expert_weight_places(self) -> tuple[list[tuple[torch.nn.Module, str]], list[tuple[torch.nn.Module, str]]]:
+        """Where the local experts' fc1 weights [2F, H] and fc2 weights [H, F] are, in expert order:
+        (module, parameter name) pairs, as ``stack_weights_as_views`` takes them."""
+        raise NotImplementedError
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fc1 [E, 2F, H], fc2 [E, H, F]): the local experts' weights stacked, as decode_experts takes
+        them. Within a rollout (``stacking_weights``) the experts' weights are views of these stacks;
+        outside it they are stacked on each call (a copy: the training weights change every step)."""
+        if self._stacked is not None:
+            return self._stacked
+        fc1_places, fc2_places = self.expert_weight_places()
+        return _stacked_now(fc1_places), _stacked_now(fc2_places)
+
+    def stacked_parameters(self) -> list[torch.nn.Parameter]:
+        return [getattr(module, name) for places in self.expert_weight_places() for module, name in places]
+
+    def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        """One stack per projection, [E, 2F, H] and [E, H, F], the experts' weights views of it."""
+        fc1_places, fc2_places = self.expert_weight_places()
+        fc1, replaced_fc1 = stack_weights_as_views(fc1_places, dtype_of, new_dim=True)
+        fc2, replaced_fc2 = stack_weights_as_views(fc2_places, dtype_of, new_dim=True)
+        self._stacked = (fc1, fc2)
+        return replaced_fc1 + replaced_fc2
+
+    def forget_stacks(self) -> None:
+        self._stacked = None
+
+
+def _stacked_now(places: list[tuple[torch.nn.Module, str]]) -> torch.Tensor:
+    return torch.stack([getattr(module, name) for module, name in places])
+
+
+class SkipEmptySequentialMLP(SequentialMLP, StacksExpertWeights):
     """SequentialMLP (same parameters and checkpoint keys) whose forward calls no Megatron linear
     and, without autograd, skips the experts that got no tokens."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._expert_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
@@ -302,36 +367,34 @@ class SkipEmptySequentialMLP(SequentialMLP, StacksWeights):
             self._expert_weights = self._look_up_expert_weights()
         return self._expert_weights
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fc1 [E, 2F, H], fc2 [E, H, F]): the local experts' weights stacked, as decode_experts takes
-        them. Within a rollout (``stacking_weights``) the experts' weights are views of these stacks;
-        outside it they are stacked on each call (a copy: the training weights change every step)."""
-        if self._stacked is not None:
-            return self._stacked
-        fc1_weights, fc2_weights = self._look_up_expert_weights()
-        return torch.stack(fc1_weights), torch.stack(fc2_weights)
-
-    def stacked_parameters(self) -> list[torch.nn.Parameter]:
-        fc1_weights, fc2_weights = self._look_up_expert_weights()
-        return [*fc1_weights, *fc2_weights]
+    def expert_weight_places(self) -> tuple[list[tuple[torch.nn.Module, str]], list[tuple[torch.nn.Module, str]]]:
+        experts = self.local_experts
+        return weight_places(*(e.linear_fc1 for e in experts)), weight_places(*(e.linear_fc2 for e in experts))
 
     def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-        """One stack per projection, [E, 2F, H] and [E, H, F], the experts' weights views of it."""
-        fc1, replaced_fc1 = stack_weights_as_views([e.linear_fc1 for e in self.local_experts], dtype_of, new_dim=True)
-        fc2, replaced_fc2 = stack_weights_as_views([e.linear_fc2 for e in self.local_experts], dtype_of, new_dim=True)
         self._expert_weights = None
-        self._stacked = (fc1, fc2)
-        return replaced_fc1 + replaced_fc2
+        return super().stacking_weights(dtype_of)
 
     def forget_stacks(self) -> None:
         """Look the weights up again at the next call, and drop the rollout's stacks:
         HybridModel.generation_dtype puts other tensors in the experts' places for a rollout, and back."""
         self._expert_weights = None
-        self._stacked = None
+        super().forget_stacks()
 
     def _look_up_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         experts = self.local_experts
         return [expert.linear_fc1.weight for expert in experts], [expert.linear_fc2.weight for expert in experts]
+
+
+class StackingTEGroupedMLP(TEGroupedMLP, StacksExpertWeights):
+    """Megatron's TEGroupedMLP (the same forward, parameters and checkpoint keys: Transformer Engine's
+    grouped linears, ``weight{i}`` for local expert i) whose experts' weights a rollout stacks, so that
+    the lean decode step runs them as it runs SkipEmptySequentialMLP's: the experts of the FP8
+    configs, whose rollouts run outside FP8 (HybridModel.generation_dtype)."""
+
+    def expert_weight_places(self) -> tuple[list[tuple[torch.nn.Module, str]], list[tuple[torch.nn.Module, str]]]:
+        experts = range(self.num_local_experts)
+        return [(self.linear_fc1, f"weight{i}") for i in experts], [(self.linear_fc2, f"weight{i}") for i in experts]
 
 
 class InProcessMoELayer(MoELayer):
@@ -377,8 +440,8 @@ class InProcessMoELayer(MoELayer):
             shares_tokens
             and plain_experts
             and self._plain_topk_router
-            and isinstance(self.experts, SkipEmptySequentialMLP)
-            and supports_fused_forward(config)
+            and isinstance(self.experts, StacksExpertWeights)
+            and swiglu_experts(config)
         )
         self._ep_size, self._ep_rank = dispatcher.ep_size, self.ep_group.rank()
         self.steps_in_process = self._steps_routing and self._ep_size == 1
@@ -427,8 +490,8 @@ class InProcessMoELayer(MoELayer):
             probs, top_experts = self._route_tokens(hidden)  # [b, k] each
             if routes is not None:
                 routes.record_step(top_experts)
-            output = torch.ops.megacispo.decode_experts(hidden, probs, top_experts, *self.experts.stacked_weights(),
-                                                        alpha, residual.beta)
+            output = step_experts(decode_experts, hidden, probs, top_experts, *self.experts.stacked_weights(),
+                                  alpha, residual.beta)
         else:
             output = self._step_expert_parallel(hidden, routes, alpha, residual.beta)
         if self._expert_tp_size == 1:  # one expert-TP rank: nothing to add, no autograd function's call
@@ -452,8 +515,8 @@ class InProcessMoELayer(MoELayer):
             routes.record_step(top_experts[own])
         local_experts = _local_expert_index(self.config.num_moe_experts, self.local_expert_indices[0],
                                             self.num_local_experts, hidden.device)[top_experts]
-        partial = torch.ops.megacispo.local_expert_products(tokens, probs, local_experts, *self.experts.stacked_weights(),
-                                                           alpha, beta)
+        partial = step_experts(local_expert_products, tokens, probs, local_experts, *self.experts.stacked_weights(),
+                               alpha, beta)
         if self._ep_shares_tokens:
             torch.distributed.all_reduce(partial, group=self.ep_group)
             return partial

@@ -63,12 +63,15 @@ def all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
     return gathered
 
 
-def all_gather_columns(tensor: torch.Tensor, group) -> torch.Tensor:
-    """[n, C / size] on each rank of ``group`` -> [n, C]: every rank's columns side by side, in rank
-    order (a row-parallel shard made whole): the rows' all-gather, then one copy to put them in place."""
+def all_gather_columns(tensor: torch.Tensor, group, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[n, C / size] on each rank of ``group`` -> [n, C] in ``dtype`` (default: the tensor's): every
+    rank's columns side by side, in rank order (a row-parallel shard made whole): the rows' all-gather,
+    then one copy that puts them in place and casts them."""
     rows, columns = tensor.shape
     gathered = all_gather_rows(tensor, group).view(group.size(), rows, columns)
-    return gathered.transpose(0, 1).reshape(rows, -1)
+    # A cast copies into the row-major layout, and the reshape is then a view; without one the reshape copies.
+    placed = gathered.transpose(0, 1).to(dtype or tensor.dtype, memory_format=torch.contiguous_format)
+    return placed.reshape(rows, -1)
 
 
 @dataclass(frozen=True)
@@ -253,15 +256,18 @@ class TensorParallelRMSNorm(torch.nn.Module, StacksWeights):
             sum_squares = _AllReduceSum.apply(sum_squares, self.tp_group)
         return _rms_normalize(hidden, wide, sum_squares, self.hidden_size, self.eps, self.weight)
 
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A decode step's norm of this rank's channels [b, C / TP], without autograd (``rms_norm_step``'s
+    def step(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A decode step's norm of this rank's channels [b, C / TP], given in at least fp32 (the attention's
+        output) and normalized in ``dtype`` (the residual stream's), without autograd (``rms_norm_step``'s
         math). At TP > 1 the rows are all-gathered and every rank normalizes all C channels with the
         whole weight (``full_weight``) in one kernel, then keeps its own: where the sums of squares'
-        all-reduce sits between eight, the gathered rows are a decode step's few."""
+        all-reduce sits between eight, the gathered rows are a decode step's few; the copy that puts
+        the gathered columns in place casts them too."""
         if self.tp_size == 1:
-            return rms_norm_step(hidden, self.weight, self.eps)
+            return rms_norm_step(hidden.to(dtype), self.weight, self.eps)
         batch, local = hidden.shape
-        normed = rms_norm_step(all_gather_columns(hidden, self.tp_group), self.full_weight(), self.eps)  # [b, C]
+        gathered = all_gather_columns(hidden, self.tp_group, dtype)  # [b, C]
+        normed = rms_norm_step(gathered, self.full_weight(), self.eps)
         return normed.view(batch, self.tp_size, local)[:, self.tp_group.rank()]
 
     def full_weight(self) -> torch.Tensor:
@@ -298,26 +304,32 @@ class TensorParallelRMSNorm(torch.nn.Module, StacksWeights):
         )
 
 
+def weight_places(*linears: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """The ``weight`` of each linear, as ``stack_weights_as_views`` takes places."""
+    return [(linear, "weight") for linear in linears]
+
+
 def stack_weights_as_views(
-    linears: list[torch.nn.Module], dtype_of, *, new_dim: bool
+    places: list[tuple[torch.nn.Module, str]], dtype_of, *, new_dim: bool
 ) -> tuple[torch.Tensor, list[tuple[torch.nn.Module, str, torch.nn.Parameter]]]:
-    """Copy the ``weight`` of each of ``linears`` into one tensor, in ``dtype_of(weight)``: stacked along
-    a new first dimension (``new_dim``, equal shapes) or concatenated along the output dimension, and
-    put a view of it in each linear's place, so that a decode step multiplies by the whole tensor in
-    one kernel while the modules keep their parameters' names and shapes. Returns (the tensor,
-    [(linear, "weight", the parameter replaced)] to put back)."""
-    weights = [linear.weight for linear in linears]
+    """Copy the weights at ``places`` ((module, parameter name) pairs: a linear's ``weight``, a grouped
+    linear's ``weight{i}``) into one tensor, in ``dtype_of(weight)``: stacked along a new first
+    dimension (``new_dim``, equal shapes) or concatenated along the output dimension, and put a view
+    of it in each weight's place, so that a decode step multiplies by the whole tensor in one kernel
+    while the modules keep their parameters' names and shapes. Returns (the tensor,
+    [(module, name, the parameter replaced)] to put back)."""
+    weights = [getattr(module, name) for module, name in places]
     rows = [weight.shape[0] for weight in weights]
     shape = (len(weights), *weights[0].shape) if new_dim else (sum(rows), *weights[0].shape[1:])
     stack = weights[0].new_empty(shape, dtype=dtype_of(weights[0]))
     views = stack.unbind(0) if new_dim else stack.split(rows)
     replaced = []
-    for linear, weight, view in zip(linears, weights, views):
+    for (module, name), weight, view in zip(places, weights, views):
         view.copy_(weight.detach())
         copy = torch.nn.Parameter(view, requires_grad=False)
         copy.__dict__.update(weight.__dict__)  # Megatron's attributes (tensor_model_parallel, allreduce, ...)
-        replaced.append((linear, "weight", weight))
-        linear._parameters["weight"] = copy
+        replaced.append((module, name, weight))
+        module._parameters[name] = copy
     return stack, replaced
 
 

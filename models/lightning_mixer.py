@@ -43,6 +43,7 @@ from megacispo.models.layers import (
     row_parallel_linear,
     row_parallel_step,
     stack_weights_as_views,
+    weight_places,
 )
 from megacispo.models.lightning import (
     lightning_attention,
@@ -156,8 +157,8 @@ class LightningMixer(MegatronModule, StacksWeights):
         out, cache.lightning_states[self.layer_idx] = lightning_state_step(
             q, k, v, self.step_decay(q.device, q.dtype), cache.lightning_states[self.layer_idx], cache.live_rows
         )
-        out = out.to(hidden.dtype).reshape(batch, -1)  # [b, heads * d]
-        gated = torch.sigmoid(projected[:, qkv_width:]) * self.norm.step(out)
+        normed = self.norm.step(out.reshape(batch, -1), hidden.dtype)  # [b, heads * d]
+        gated = torch.sigmoid(projected[:, qkv_width:]) * normed
         return row_parallel_step(gated, self.out_proj.weight, hidden, residual, self.tp_group)
 
     def projection_weight(self) -> torch.Tensor:
@@ -172,8 +173,8 @@ class LightningMixer(MegatronModule, StacksWeights):
         return [self.qkv_proj.weight, self.output_gate.weight]
 
     def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-        self._projection_weight, replaced = stack_weights_as_views([self.qkv_proj, self.output_gate], dtype_of,
-                                                                   new_dim=False)
+        places = weight_places(self.qkv_proj, self.output_gate)
+        self._projection_weight, replaced = stack_weights_as_views(places, dtype_of, new_dim=False)
         return replaced
 
     def forget_stacks(self) -> None:

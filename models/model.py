@@ -39,8 +39,9 @@ shards: every TP rank holds the step's tokens, so no dispatcher or sequence spli
 when the EP ranks decode as many rows (``InferenceCache.rows_agree``), each MoE layer gathers the
 group's tokens and reduce-scatters its experts' sums instead of the all-to-all (an EP group within
 the TP group, whose ranks hold the same tokens, all-reduces them). Each sublayer adds the residual in
-its last product. Prefill, EP ranks whose rows differ and Transformer Engine layers use the Megatron
-modules; ``lean_decode = False`` forces them for decode steps too. The compiled step
+its last product. Local and Transformer Engine layers take it alike (its products are plain bf16
+matmuls on their weights; rollouts run outside FP8). Prefill, FP8 GEMMs and EP ranks whose rows
+differ use the Megatron modules; ``lean_decode = False`` forces them for decode steps too. The compiled step
 (``decode_step(compiled=True)``) traces the lean path at any TP and EP, its collectives in the graph.
 """
 
@@ -136,15 +137,11 @@ class HybridModel(LanguageModule):
         # without Megatron's own replay, and this hook changes nothing until targets are set.
         for layer in self.decoder.layers:
             layer.mlp.router.router_replay = LayerRoutes(layer.layer_number - 1)
-        # The lean path's conditions that are fixed at construction: every layer is a local (not
-        # Transformer Engine) module whose weights are used as they are (no FP8 / FP4 casts), and the
-        # residual stream keeps the model's dtype.
+        # The lean path's condition that is fixed at construction: the residual stream keeps the model's
+        # dtype. Local and Transformer Engine layers alike: the lean step multiplies their weights
+        # itself, outside FP8 (``_lean_step_applies``: FP8 is off within generation_dtype).
         self._tp_size = self.pg_collection.tp.size()
-        self._lean_step_supported = (
-            config.transformer_impl == "local"
-            and not (config.fp8 or config.fp4)
-            and not config.fp32_residual_connection
-        )
+        self._lean_step_supported = not config.fp32_residual_connection
         # Under TP every MoE layer must step without a dispatcher (a Megatron MoE forward would split
         # the step's one token along the sequence): by whether the EP group's rows agree.
         self._moe_steps_alone = {
@@ -341,8 +338,9 @@ class HybridModel(LanguageModule):
         the parameters' places in their modules; the Parameter objects themselves are not touched
         (changing a parameter's dtype in place would drop the gradient hooks Megatron's DDP put on it).
 
-        FP8 (and FP4) is off within it: with precision.fp8 set, rollouts run Transformer Engine's
-        GEMMs in ``dtype`` on these weights (M1's choice), so no rollout depends on TE's divisibility
+        FP8 (and FP4) is off within it: with precision.fp8 set, rollouts run in ``dtype`` on these
+        weights (M1's choice: the prefill through Transformer Engine's GEMMs, the decode steps through
+        the lean step's products), so no rollout depends on TE's divisibility
         rule for the token count (a decode step has as many tokens as running slots) or uses TE's FP8
         weight cache, which only Megatron's schedule refreshes after an optimizer step.
         """
@@ -595,7 +593,7 @@ class HybridModel(LanguageModule):
     @property
     def compiled_decode_supported(self) -> bool:
         """Whether ``decode_step(compiled=True)`` can trace the lean step as one graph: the lean path
-        applies to the layout (local layers, no FP8), one stage holds every layer, and every MoE layer
+        applies to the layout, one stage holds every layer, and every MoE layer
         steps without Megatron's dispatcher when its EP group's rows agree (as a rollout's lockstep
         keeps them). The step's collectives (TP's sums and gathers, EP's gather and reduce-scatter) are
         nodes of the graph; a step whose EP rows differ runs Megatron's modules, eagerly."""
@@ -615,8 +613,8 @@ class HybridModel(LanguageModule):
         if not self.compiled_decode_supported:
             raise ValueError(
                 "decode_step(compiled=True) (rollout.compile_decode) needs the lean decode step on one pipeline "
-                "stage: pipeline parallel size 1, local layers (no Transformer Engine or FP8) and MoE layers with "
-                "a plain top-k router; set rollout.compile_decode=false for this layout"
+                "stage: pipeline parallel size 1 and MoE layers of SwiGLU experts with a plain top-k router; set "
+                "rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
             options = {"guard_filter_fn": _lean_step_guards}
@@ -628,12 +626,14 @@ class HybridModel(LanguageModule):
     def _lean_step_applies(self, cache: InferenceCache) -> bool:
         """Whether a one-token decode step on ``cache`` can skip Megatron's TransformerBlock, parallel
         linears and router: the layout allows it (``_lean_step_supported``; under TP, with the MoE
-        layers' dispatch-free step for the cache's rows), ``lean_decode`` is on, and nothing is recorded
-        for autograd or depends on training mode (dropout, router noise)."""
+        layers' dispatch-free step for the cache's rows), ``lean_decode`` is on, the GEMMs are not FP8 /
+        FP4 (within generation_dtype they never are), and nothing is recorded for autograd or depends on
+        training mode (dropout, router noise)."""
         return (
             self._lean_step_supported
             and (self._tp_size == 1 or self._moe_steps_alone[cache.rows_agree])
             and self.lean_decode
+            and not (self.config.fp8 or self.config.fp4)
             and not self.training
             and not torch.is_grad_enabled()
         )

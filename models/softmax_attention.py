@@ -39,6 +39,7 @@ from megacispo.models.layers import (
     row_parallel_linear,
     row_parallel_step,
     stack_weights_as_views,
+    weight_places,
 )
 from megacispo.models.softmax_cp import attention_cp, attention_cp_ring, document_causal_mask, masked_attention
 from megacispo.parallel.context import packed_document_ids
@@ -151,8 +152,8 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
 
     def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-        self._qkv_weight, replaced = stack_weights_as_views([self.q_proj, self.k_proj, self.v_proj], dtype_of,
-                                                            new_dim=False)
+        places = weight_places(self.q_proj, self.k_proj, self.v_proj)
+        self._qkv_weight, replaced = stack_weights_as_views(places, dtype_of, new_dim=False)
         return replaced
 
     def forget_stacks(self) -> None:

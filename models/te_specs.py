@@ -132,25 +132,28 @@ def te_row_parallel_linear(config, input_size: int, output_size: int, tp_group):
 
 
 def te_moe_spec(num_experts: int):
-    """Megatron's MoE layer with Transformer Engine grouped experts (one grouped GEMM for all local
-    experts; fc1 = [W1; W3] with SwiGLU, fc2 = W2, as SequentialMLP). TEGroupedMLP pads each expert's
-    tokens to what FP8 GEMMs need. ``num_experts`` comes from the TransformerConfig at build time;
-    it is taken to match the local backend's signature."""
+    """The MoE layer with Transformer Engine grouped experts (one grouped GEMM for all local experts;
+    fc1 = [W1; W3] with SwiGLU, fc2 = W2, as SequentialMLP): Megatron's MoELayer and TEGroupedMLP, as
+    the project's InProcessMoELayer and StackingTEGroupedMLP (the same parameters and keys), whose lean
+    decode step runs the experts' stacked weights as the local layers' does. TEGroupedMLP pads each
+    expert's tokens to what FP8 GEMMs need. ``num_experts`` comes from the TransformerConfig at build
+    time; it is taken to match the local backend's signature."""
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megacispo.models.experts import InProcessMoELayer, StackingTEGroupedMLP
 
     del num_experts
     experts = ModuleSpec(
-        module=TEGroupedMLP,
+        module=StackingTEGroupedMLP,
         submodules=MLPSubmodules(
             linear_fc1=ModuleSpec(module=(TE_EXTENSION, "TEColumnParallelGroupedLinear")),
             linear_fc2=ModuleSpec(module=(TE_EXTENSION, "TERowParallelGroupedLinear")),
         ),
     )
     return ModuleSpec(
-        module=MoELayer,
+        module=InProcessMoELayer,
         submodules=MoESubmodules(experts=experts),
         metainfo={"fuse_pre_mlp_layernorm": False},
     )

@@ -37,7 +37,7 @@ class RolloutConfig:
     max_sampling_rounds: int = ranged(4, AT_LEAST_1)
     """Cap on rollout rounds spent filling one batch under dynamic sampling."""
     compile_decode: bool = False
-    """Run each decode step and draw through torch.compile, as CUDA graphs on GPUs (PP = 1, no Transformer Engine; TP and EP collectives inside the graph); the first steps compile."""
+    """Run each decode step and draw through torch.compile, as CUDA graphs on GPUs (PP = 1; TP and EP collectives inside the graph); the first steps compile."""
     max_running: int = ranged(0, Range(0, note="0: all of a rank's samples at once"))
     """Sequences decoded together per rank; a finished one's slot takes the next waiting sample (0: all at once)."""
     host_check_every: int = ranged(0, Range(0, note="0: auto"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megacispo.testing.harness import run_distributed
@@ -57,7 +58,7 @@ def test_lean_decode_step_ops_are_few_fixed_and_sync_free():
 
 # TP 2 + EP 2 adds to the lean step its collectives (the out-projections' and the experts' sums, the
 # lightning norm's gather) and the EP dispatch's bookkeeping (which pairs are this rank's).
-MAX_OPS_PER_LAYER_TP2_EP2 = {"fp32": 32, "bf16": 36}
+MAX_OPS_PER_LAYER_TP2_EP2 = {"fp32": 32, "bf16": 35}
 
 
 def test_lean_decode_step_under_tp_and_ep_stays_fixed_and_sync_free():
@@ -65,15 +66,53 @@ def test_lean_decode_step_under_tp_and_ep_stays_fixed_and_sync_free():
     group, which holds the same tokens) the lean step's MoE layers run their own experts and all-reduce
     instead of Megatron's all-to-all: no host sync, the same count at 1, 16 and 64 slots, about half the
     Megatron path's."""
-    layout = decode_ops.PARALLEL_LAYOUTS["TP 2 + EP 2 (expert TP 1: the EP group within the TP group)"]
-    for rank, rows in enumerate(run_distributed(decode_ops.measure_parallel, 2, [1, 16, 64], 32, layout)):
-        megatron = [count for _, _, _, (count, _) in rows]
-        for dtype, counts in (("fp32", [lean for _, lean, _, _ in rows]), ("bf16", [lean for _, _, lean, _ in rows])):
+    layout, processes = decode_ops.PARALLEL_LAYOUTS["TP 2 + EP 2 (expert TP 1: the EP group within the TP group)"]
+    for rank, rows in enumerate(run_distributed(decode_ops.measure_parallel, processes, [1, 16, 64], 32, layout)):
+        megatron = [count for _, _, _, (count, _), _ in rows]
+        for dtype, counts in (("fp32", [row[1] for row in rows]), ("bf16", [row[2] for row in rows])):
             ops = [count for count, _ in counts]
             assert [syncs for _, syncs in counts] == [0, 0, 0], (rank, dtype, rows)
             assert max(ops) <= MAX_OPS_PER_LAYER_TP2_EP2[dtype] and max(ops) - min(ops) <= 1, (rank, dtype, ops)
-        lean = [count for _, (count, _), _, _ in rows]
+        lean = [count for _, (count, _), _, _, _ in rows]
         assert 2 * max(lean) <= min(megatron) + 5, (rank, lean, megatron)
+
+
+# MiniMax-M1's layout (examples/configs/minimax_m1_512gpu.yaml: TP 8 = expert TP 8, EP 32 across TP
+# groups) at 4 processes adds the EP gather and reduce-scatter to TP's sums.
+MAX_OPS_PER_LAYER_M1 = {"fp32": 34, "bf16": 37}
+M1_LAYOUT = "M1's layout: TP 2 + expert TP 2, EP 2 across TP groups"
+
+
+@pytest.mark.slow
+def test_lean_decode_step_at_m1s_layout_stays_fixed_and_sync_free_and_compiles_to_few_kernels():
+    """About a minute on 2 cores (4 processes, a compile per slot count). Eager: a fixed count with
+    no host sync; compiled in bf16 (rollout.compile_decode on a GPU), at most 30 kernels a layer."""
+    layout, processes = decode_ops.PARALLEL_LAYOUTS[M1_LAYOUT]
+    for rank, rows in enumerate(run_distributed(decode_ops.measure_parallel, processes, [1, 16, 64], 32, layout,
+                                                True, timeout_s=1200.0)):
+        for dtype, counts in (("fp32", [row[1] for row in rows]), ("bf16", [row[2] for row in rows])):
+            ops = [count for count, _ in counts]
+            assert [syncs for _, syncs in counts] == [0, 0, 0], (rank, dtype, rows)
+            assert max(ops) <= MAX_OPS_PER_LAYER_M1[dtype] and max(ops) - min(ops) <= 1, (rank, dtype, ops)
+        compiled = [row[4] for row in rows]
+        assert max(compiled) <= MAX_OPS_PER_LAYER, (rank, compiled)
+
+
+def test_compiled_kernels_are_read_from_the_generated_code():
+    """A compiled function's fused elementwise kernel and its GEMM; a collective's wait counts none,
+    and an op of this project's, whose kernels the code hides, is refused."""
+    from torch._inductor.utils import run_and_get_code
+
+    from megacispo.testing.op_counter import compiled_kernels
+
+    weight = torch.randn(8, 8)
+    _, sources = run_and_get_code(torch.compile(lambda x: torch.sigmoid(x + 1) @ weight), torch.randn(4, 8))
+    assert sum(compiled_kernels(code) for code in sources) == 2
+    waited = "    buf1 = torch.ops._c10d_functional.all_reduce_.default(buf0, 'sum', '0')\n" \
+             "    torch.ops._c10d_functional.wait_tensor.default(buf1)\n"
+    assert compiled_kernels(waited) == 1
+    with pytest.raises(ValueError, match="megacispo.decode_experts"):
+        compiled_kernels("    buf2 = torch.ops.megacispo.decode_experts.default(buf1, arg0_1)\n")
 
 
 def test_planted_host_reads_are_caught():

@@ -5,8 +5,9 @@ through torchrun) run here on the CPU with gloo, one passing row each (the multi
 and rollout-ranks stages, and bf16 weights: tests/slow/test_gpu_check.py); a stage that fails fails
 its row, the rows that need it and the exit status; the multi-GPU stages are skipped, failing
 nothing, where one GPU is visible, and fp8 without Transformer Engine; a row fails on a number over
-its bound with the number and the bound in it; past its time budget nothing starts; and without
-CUDA the GPU check itself stops at once with one line."""
+its bound with the number and the bound in it (the decode-paths row on a planted lean-step
+mistake, run on the CPU); past its time budget nothing starts; and without CUDA the GPU check
+itself stops at once with one line."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megacispo.testing.gpu_check_twin import assert_every_stage_passed, cpu_twin, load_gpu_check, stage_rows
+from megacispo.testing.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 gpu_check = load_gpu_check()
@@ -166,6 +169,39 @@ def test_rollout_ranks_fail_on_a_gap_larger_than_rls_or_a_missing_sync():
         gpu_check.rollout_ranks_result(_steps(**{**fine, "gap": (1.5e-7, 3e-3)}), rl_gaps, 1e-5)
     with pytest.raises(gpu_check.StageFailed, match=r"no weight sync at step\(s\) \[2\]"):
         gpu_check.rollout_ranks_result(_steps(**{**fine, "sync": (0.1, 0.0)}), rl_gaps, 1e-5)
+
+
+def _decode_paths_rows(planted_offset: float) -> list[tuple[str, str, str]]:
+    """gpu_check's decode-paths row on the tiny model with the Transformer Engine backend's experts
+    (twinned: megacispo.testing.te_twins), on the CPU; ``planted_offset`` is added to every decode
+    layer's lean-step output (a wrong lean step)."""
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.decoder_layer import HybridDecoderLayer
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.testing.te_twins import te_experts_twinned
+
+    init_distributed(ParallelConfig(), seed=0)
+    config = model_config("tiny")
+    with te_experts_twinned():
+        model = HybridModel(config, transformer_config(config, ParallelConfig())).eval()
+    prompts = torch.randint(3, config.vocab_size, (5, 11), generator=torch.Generator().manual_seed(0)).tolist()
+    step = HybridDecoderLayer.step
+    HybridDecoderLayer.step = lambda *args, **kwargs: step(*args, **kwargs) + planted_offset
+    try:
+        row = gpu_check.decode_paths_row(model, prompts, "tiny, twin TE experts", steps=4)
+    finally:
+        HybridDecoderLayer.step = step
+    return row.status, row.error, row.failure
+
+
+def test_the_decode_paths_row_fails_a_lean_step_that_departs_from_megatrons_modules():
+    """bf16 rollouts of TE-layer experts: the lean step within the bound of Megatron's modules, and
+    a lean step off by 0.25 in every layer's output over it, the gap in the row."""
+    (good,) = run_distributed(_decode_paths_rows, 1, 0.0)
+    (bad,) = run_distributed(_decode_paths_rows, 1, 0.25)
+    assert good[0] == "pass" and good[1].startswith("max |lean - megatron log-prob| "), good
+    assert bad[0] == "FAIL" and bad[2].startswith("log-prob gap ") and bad[2].endswith(" > 0.05"), bad
 
 
 def test_without_cuda_the_gpu_check_stops_at_once_with_one_line():

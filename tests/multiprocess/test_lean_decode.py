@@ -9,7 +9,9 @@ tokens and log-probs of the Megatron path decoding all prompts at once. The lean
 taken: TransformerBlock.forward is not called during its decode steps. Runs in a gloo world of one,
 and in fp64 on 2 processes at TP 2 (expert TP 2 and 1), EP 2 and TP 2 + EP 2 (the lean step's
 collectives against Megatron's modules); tests/multiprocess/test_rollout_layouts.py runs greedy rollouts
-on the multi-process layouts against one process.
+on the multi-process layouts against one process. The Transformer Engine backend's experts
+(TEGroupedMLP's ``weight{i}``, its grouped linears twinned on the CPU) step the same way, in one
+process, at EP 2 and at TP 2.
 
 The compiled step (``decode_step(compiled=True)``, torch.compile of the lean path) is checked the
 same way in fp32 (the batch size changes midway and the softmax layer's cache grows: recompiles),
@@ -331,3 +333,46 @@ def test_compiled_step_of_parallel_layouts_equals_megatron_path(name, backend):
                 f"{name} rank {rank} {path}: max abs difference {outcome['error'][path]:.2e} "
                 f"at logits up to {outcome['scale']:.1f}"
             )
+
+
+# The Transformer Engine backend's MoE layer (models.te_specs.te_moe_spec: Megatron's TEGroupedMLP as
+# StackingTEGroupedMLP, its weights ``weight{i}`` of one grouped linear per projection), its grouped
+# linears twinned on the CPU (megacispo.testing.te_twins), in one process and on 2 (EP 2: gather and
+# reduce-scatter; TP 2 with expert TP 2: the shards' all-reduce), within generation_dtype as rollouts
+# run it: the lean step's stacks of ``weight{i}`` against Megatron's TEGroupedMLP forward on them.
+TE_EXPERT_LAYOUTS = {
+    "one_process": ({}, 1),
+    "ep2": ({"expert_model_parallel_size": 2}, 2),
+    "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, 2),
+}
+
+
+def _compare_te_experts(layout: dict) -> dict:
+    from megacispo.models.experts import StackingTEGroupedMLP
+    from megacispo.testing.te_twins import te_experts_twinned
+
+    with te_experts_twinned():
+        model = _build_model(torch.float64, layout)
+    experts = [layer.mlp.experts for layer in model.decoder.layers]
+    parameters = dict(model.named_parameters())
+    prompts, steps = _inputs(model.vocab_size)
+    with model.generation_dtype(torch.float64):
+        stacked = all(expert._stacked is not None for expert in experts)
+        outcome = _teacher_forced(model, prompts, steps, KEEP_AFTER, ("lean", "megatron"), rows_agree=True)
+    outcome["te_experts"] = all(isinstance(expert, StackingTEGroupedMLP) for expert in experts)
+    outcome["stacked"] = stacked
+    outcome["parameters_back"] = all(param is parameters[name] for name, param in model.named_parameters())
+    return outcome
+
+
+@pytest.mark.parametrize("name", sorted(TE_EXPERT_LAYOUTS))
+def test_lean_step_of_transformer_engine_experts_equals_megatron_path(name):
+    layout, world_size = TE_EXPERT_LAYOUTS[name]
+    for rank, outcome in enumerate(run_distributed(_compare_te_experts, world_size, layout)):
+        assert outcome["te_experts"] and outcome["stacked"] and outcome["parameters_back"], (name, rank)
+        assert outcome["scale"] > 1.0, "the test model must produce non-trivial logits"
+        assert outcome["block_calls"] == {"lean": 0, "megatron": NUM_STEPS}, (name, rank, outcome["block_calls"])
+        assert outcome["error"]["lean"] <= TOLERANCE["float64"] * outcome["scale"], (
+            f"{name} rank {rank}: max abs difference {outcome['error']['lean']:.2e} "
+            f"at logits up to {outcome['scale']:.1f}"
+        )

@@ -126,11 +126,10 @@ def _tiny_transformer_config(precision: PrecisionConfig | None = None, recompute
 def test_spec_selection_local_and_transformer_engine():
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import TEGroupedMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megacispo.models.decoder_layer import LOCAL_BACKEND, TRANSFORMER_ENGINE_BACKEND, block_spec, layer_backend
-    from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP
+    from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP, StackingTEGroupedMLP
     from megacispo.models.layers import RMSNorm, local_column_parallel_linear, row_parallel_linear
     from megacispo.models.lightning_mixer import LightningMixer
     from megacispo.models.softmax_attention import SoftmaxAttention
@@ -158,14 +157,14 @@ def test_spec_selection_local_and_transformer_engine():
             assert set(columns.values()) == {column}, (name, layer_idx, columns)
             assert projections.get("out_proj", projections.get("o_proj")) is row
             moe = parts.mlp
-            assert issubclass(moe.module, MoELayer) and moe.submodules.router is TopKRouter  # router stays fp32
+            assert moe.module is InProcessMoELayer and moe.submodules.router is TopKRouter  # router stays fp32
             experts = moe.submodules.experts
             if name == "local":
-                assert moe.module is InProcessMoELayer and experts.module is SkipEmptySequentialMLP
+                assert experts.module is SkipEmptySequentialMLP
                 assert (experts.submodules.linear_fc1, experts.submodules.linear_fc2) == (ColumnParallelLinear,
                                                                                           RowParallelLinear)
             else:
-                assert experts.module is TEGroupedMLP
+                assert experts.module is StackingTEGroupedMLP and issubclass(StackingTEGroupedMLP, TEGroupedMLP)
                 assert experts.submodules.linear_fc1.module == (extension, "TEColumnParallelGroupedLinear")
                 assert experts.submodules.linear_fc2.module == (extension, "TERowParallelGroupedLinear")
     assert not [module for module in sys.modules if module.split(".")[0] == "transformer_engine"]

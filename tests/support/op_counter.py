@@ -16,12 +16,14 @@ Reads of a device value on the host (``item``, ``tolist``, ``bool(tensor)``, ``i
 and ops whose output shape depends on the values (``nonzero``, ``masked_select``, ``unique``,
 ``bincount``, ...) are listed in ``host_syncs`` (the ops among them are counted too).
 ``counting_as`` attributes ops to a region (a decoder layer): ``layer_op_counts`` gives the ops per
-layer of a model's decode step.
+layer of a model's decode step. ``compiled_kernels`` counts the kernels of a compiled step instead,
+in the code torch.compile generated for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
 from typing import Callable, Iterator
 
@@ -178,3 +180,22 @@ def layer_op_counts(counter: OpCounter) -> list[int]:
     layers = sorted((int(region.split()[1]), count) for region, count in counter.by_region.items()
                     if region.startswith("layer "))
     return [count for _, count in layers]
+
+
+# The lines of inductor's generated ``call`` that launch kernels: its fused kernels (``cpp_fused_*`` for a
+# CPU, ``triton_*`` for a GPU), the library kernels it calls (``extern_kernels.mm``, ...) and the ops it
+# leaves to aten, this project or c10d (``torch.ops.aten.sort``, a collective).
+_COMPILED_KERNEL_CALL = re.compile(
+    r"^[ \t]+(?:\w+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", re.MULTILINE
+)
+
+
+def compiled_kernels(code: str) -> int:
+    """The kernels one run of a compiled graph launches, read from its generated code (the sources
+    ``torch._inductor.utils.run_and_get_code`` returns): a call each. A collective's wait launches
+    none (NCCL's is a stream wait). This project's ops (``megacispo::...``), whose kernels the code
+    does not show, are refused."""
+    calls = _COMPILED_KERNEL_CALL.findall(code)
+    if hidden := sorted({call for call in calls if call.startswith("torch.ops.megacispo.")}):
+        raise ValueError(f"the compiled graph calls {hidden}, whose kernels its code does not show")
+    return sum(call != "torch.ops._c10d_functional.wait_tensor.default" for call in calls)
