@@ -13,7 +13,7 @@ whose linear_fc1 is [W1; W3] (gate; up) with SwiGLU and linear_fc2 = W2 (as Skip
 models/experts.py: the same module and checkpoint keys with a cheaper forward).
 
 Where the linears come from is a ``LayerBackend``: local Megatron linears and SequentialMLP experts,
-or Transformer Engine linears and grouped experts (models/te_specs.py), chosen by the
+or Transformer Engine linears (models/te_specs.py) and grouped experts (``te_moe_spec``), chosen by the
 TransformerConfig's transformer_impl. The layer pattern picks the mixer either way; the norms, the
 router and the attention kernels are the same modules in both.
 
@@ -36,7 +36,9 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -45,7 +47,7 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models import te_specs
 from megacispo.models.config import LIGHTNING, HybridModelConfig
-from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP
+from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP, StackingTEGroupedMLP
 from megacispo.models.layers import (
     AttentionStep,
     InferenceCache,
@@ -190,6 +192,30 @@ def local_moe_spec(num_experts: int) -> ModuleSpec:
     )
 
 
+def te_moe_spec(num_experts: int) -> ModuleSpec:
+    """The MoE layer with Transformer Engine grouped experts (one grouped GEMM for all local experts;
+    fc1 = [W1; W3] with SwiGLU, fc2 = W2, as SequentialMLP): Megatron's MoELayer and TEGroupedMLP as
+    InProcessMoELayer and StackingTEGroupedMLP (the same parameters and keys), whose lean decode step
+    runs the experts' stacked weights as the local layers' does. TEGroupedMLP pads each expert's
+    tokens to what FP8 GEMMs need. Its grouped linears are named by module path (Megatron's
+    build_module imports them when it builds), so the spec is made without Transformer Engine.
+    ``num_experts`` comes from the TransformerConfig at build time; it is taken to match
+    local_moe_spec's signature."""
+    del num_experts
+    experts = ModuleSpec(
+        module=StackingTEGroupedMLP,
+        submodules=MLPSubmodules(
+            linear_fc1=ModuleSpec(module=(te_specs.TE_EXTENSION, "TEColumnParallelGroupedLinear")),
+            linear_fc2=ModuleSpec(module=(te_specs.TE_EXTENSION, "TERowParallelGroupedLinear")),
+        ),
+    )
+    return ModuleSpec(
+        module=InProcessMoELayer,
+        submodules=MoESubmodules(experts=experts),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
 @dataclass(frozen=True)
 class LayerBackend:
     """Where a layer's linears come from. A projection builder is called as
@@ -213,7 +239,7 @@ TRANSFORMER_ENGINE_BACKEND = LayerBackend(
     name="transformer_engine",
     column_parallel_linear=te_specs.te_column_parallel_linear,
     row_parallel_linear=te_specs.te_row_parallel_linear,
-    moe=te_specs.te_moe_spec,
+    moe=te_moe_spec,
 )
 
 

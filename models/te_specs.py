@@ -1,6 +1,6 @@
 """The Transformer Engine backend of the hybrid layers (models.decoder_layer.TRANSFORMER_ENGINE_BACKEND):
-TE linears for the mixers' projections and TE grouped experts for the MoE, so that their GEMMs run
-in FP8 under Megatron-Core's fp8_autocast (TransformerBlock enters it per layer from the
+TE linears for the mixers' projections (here) and TE grouped experts for the MoE
+(models.decoder_layer.te_moe_spec), so that their GEMMs run in FP8 under Megatron-Core's fp8_autocast (TransformerBlock enters it per layer from the
 TransformerConfig's fp8 fields).
 
 What stays out of FP8: the embedding and the LM head (local Megatron linears outside the decoder;
@@ -17,9 +17,9 @@ alignment Transformer Engine's FP8 GEMMs ask of the token count applies to each 
 the row, N / CP (/ TP under sequence parallelism), not to N.
 
 Nothing here imports transformer_engine, or Megatron's TE extension, until a layer is built: the
-specs name the builders and, for the experts, the classes by module path (Megatron's build_module
-imports a ``(module, name)`` pair when it builds), so a spec can be made and inspected on a machine
-without Transformer Engine. Importing this module imports no Megatron either: the start-up check
+specs name the builders, and the experts' spec names TE's grouped linears by module path (Megatron's
+build_module imports a ``(module, name)`` pair when it builds), so a spec can be made and inspected on
+a machine without Transformer Engine. Importing this module imports no Megatron either: the start-up check
 (``require_transformer_engine``) runs before anything heavy is loaded.
 """
 
@@ -128,32 +128,4 @@ def te_row_parallel_linear(config, input_size: int, output_size: int, tp_group):
     return TERowParallelLinear(
         input_size, output_size, config=config, init_method=config.output_layer_init_method, bias=False,
         input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=tp_group,
-    )
-
-
-def te_moe_spec(num_experts: int):
-    """The MoE layer with Transformer Engine grouped experts (one grouped GEMM for all local experts;
-    fc1 = [W1; W3] with SwiGLU, fc2 = W2, as SequentialMLP): Megatron's MoELayer and TEGroupedMLP, as
-    the project's InProcessMoELayer and StackingTEGroupedMLP (the same parameters and keys), whose lean
-    decode step runs the experts' stacked weights as the local layers' does. TEGroupedMLP pads each
-    expert's tokens to what FP8 GEMMs need. ``num_experts`` comes from the TransformerConfig at build
-    time; it is taken to match the local backend's signature."""
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megacispo.models.experts import InProcessMoELayer, StackingTEGroupedMLP
-
-    del num_experts
-    experts = ModuleSpec(
-        module=StackingTEGroupedMLP,
-        submodules=MLPSubmodules(
-            linear_fc1=ModuleSpec(module=(TE_EXTENSION, "TEColumnParallelGroupedLinear")),
-            linear_fc2=ModuleSpec(module=(TE_EXTENSION, "TERowParallelGroupedLinear")),
-        ),
-    )
-    return ModuleSpec(
-        module=InProcessMoELayer,
-        submodules=MoESubmodules(experts=experts),
-        metainfo={"fuse_pre_mlp_layernorm": False},
     )

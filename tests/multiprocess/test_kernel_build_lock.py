@@ -2,8 +2,8 @@
 holds, and says what it waits for:
 
 - a build killed with SIGKILL mid-way, its compilers left running (what torchrun does to a rank), or
-  killed with them (its whole process group): the next process waits for the compilers, removes
-  torch's stale ``lock``, builds and loads the kernels;
+  killed with them (its whole process group, in the slow tier): the next process waits for the
+  compilers, removes torch's stale ``lock``, builds and loads the kernels;
 - a ``lock`` left with no process behind it is removed at the next load, which then only loads;
 - a build directory held by a live process is waited for, with a line naming the holder and the path,
   and a process that gives up says which file to remove and runs torch's own kernels;
@@ -98,6 +98,8 @@ def test_the_run_after_a_build_killed_midway_waits_for_its_compilers_and_loads(b
     assert not (directory / "lock").exists()
 
 
+# Slow tier: it builds the kernels anew (CI's killed-build test waits for the compilers it left running).
+@pytest.mark.slow
 def test_the_run_after_a_build_killed_with_its_compilers_rebuilds_and_loads(tmp_path):
     directory = _directory(tmp_path)
     _kill_midway(tmp_path, directory, whole_group=True)

@@ -335,7 +335,7 @@ def test_compiled_step_of_parallel_layouts_equals_megatron_path(name, backend):
             )
 
 
-# The Transformer Engine backend's MoE layer (models.te_specs.te_moe_spec: Megatron's TEGroupedMLP as
+# The Transformer Engine backend's MoE layer (models.decoder_layer.te_moe_spec: Megatron's TEGroupedMLP as
 # StackingTEGroupedMLP, its weights ``weight{i}`` of one grouped linear per projection), its grouped
 # linears twinned on the CPU (megacispo.testing.te_twins), in one process and on 2 (EP 2: gather and
 # reduce-scatter; TP 2 with expert TP 2: the shards' all-reduce), within generation_dtype as rollouts

@@ -1,6 +1,6 @@
 """The RL loop end to end: 2 processes (EP=2), a few steps with several updates per rollout batch,
 every metric written, clipping acting; a resumed run continuing exactly as an uninterrupted one; and
-a preempted (SIGTERM) run saving its step and exiting cleanly."""
+a preempted (SIGTERM) run saving its step and exiting cleanly (in the slow tier)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ def test_resume_continues_exactly(task_files, tmp_path):
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-6, atol=1e-9)
 
 
+# Slow tier: CI's SIGTERM test is tests/multiprocess/test_faults.py's (through the launcher, mid-step,
+# with an exact resume).
+@pytest.mark.slow
 def test_sigterm_saves_the_step_and_exits_cleanly(task_files, tmp_path):
     """SIGTERM reaches the workers mid-run (as a cluster's preemption does): they agree to stop after
     the step in flight, save its checkpoint (the only one: periodic checkpoints are off) and exit 0."""

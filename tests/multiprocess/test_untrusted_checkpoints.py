@@ -178,7 +178,9 @@ def test_code_planted_in_the_index_is_refused_by_the_converter(trained, tmp_path
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("entry", ["train-load-1-process", "train-load-2-processes", "score"])
+# The 2-process row in the slow tier: CI's index test has its 2-process row (every rank exits with the code).
+@pytest.mark.parametrize("entry", ["train-load-1-process", pytest.param("train-load-2-processes", marks=pytest.mark.slow),
+                                   "score"])
 def test_code_planted_in_a_byte_record_is_refused_when_it_loads(entry, trained, task_files, tmp_path):
     step_dir = _copy(trained, tmp_path)
     marker = tmp_path / "ran"

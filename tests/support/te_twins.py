@@ -1,5 +1,5 @@
 """Transformer Engine's grouped linears, twinned for a machine without Transformer Engine: the MoE
-layer of the Transformer Engine backend (models.te_specs.te_moe_spec: InProcessMoELayer with
+layer of the Transformer Engine backend (models.decoder_layer.te_moe_spec: InProcessMoELayer with
 Megatron's TEGroupedMLP as StackingTEGroupedMLP) built and run on a CPU, so that tests compare its
 lean decode step with Megatron's own TEGroupedMLP forward.
 
@@ -20,6 +20,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from megatron.core.utils import divide
+
+from megacispo.models import decoder_layer
 
 
 class _GroupedLinearTwin(torch.nn.Module):
@@ -54,10 +56,8 @@ class RowGroupedLinearTwin(_GroupedLinearTwin):
 
 
 def twin_te_moe_spec(num_experts: int):
-    """models.te_specs.te_moe_spec with the twins in place of TE's grouped linears."""
-    from megacispo.models.te_specs import te_moe_spec
-
-    spec = te_moe_spec(num_experts)
+    """models.decoder_layer.te_moe_spec with the twins in place of TE's grouped linears."""
+    spec = decoder_layer.te_moe_spec(num_experts)
     experts = spec.submodules.experts
     linears = dataclasses.replace(
         experts.submodules,
@@ -72,8 +72,6 @@ def twin_te_moe_spec(num_experts: int):
 def te_experts_twinned() -> Iterator[None]:
     """Models built within take the Transformer Engine backend's MoE layer, with twin grouped linears,
     and keep the local backend's mixers (models.decoder_layer.layer_backend's local choice)."""
-    from megacispo.models import decoder_layer
-
     local = decoder_layer.LOCAL_BACKEND
     decoder_layer.LOCAL_BACKEND = dataclasses.replace(local, name="local, twin TE experts", moe=twin_te_moe_spec)
     try:
