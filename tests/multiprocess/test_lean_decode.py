@@ -11,7 +11,8 @@ and in fp64 on 2 processes at TP 2 (expert TP 2 and 1), EP 2 and TP 2 + EP 2 (th
 collectives against Megatron's modules); tests/multiprocess/test_rollout_layouts.py runs greedy rollouts
 on the multi-process layouts against one process. The Transformer Engine backend's experts
 (TEGroupedMLP's ``weight{i}``, its grouped linears twinned on the CPU) step the same way, in one
-process, at EP 2 and at TP 2.
+process, at EP 2 and at TP 2. The TP step's column gather (``all_gather_columns``) places and casts
+each rank's columns.
 
 The compiled step (``decode_step(compiled=True)``, torch.compile of the lean path) is checked the
 same way in fp32 (the batch size changes midway and the softmax layer's cache grows: recompiles),
@@ -298,6 +299,32 @@ def test_lean_step_of_parallel_layouts_equals_megatron_path(name):
                 f"{name} rank {rank} {case}: max abs difference {outcome['error']['lean']:.2e} "
                 f"at logits up to {outcome['scale']:.1f}"
             )
+
+
+def _gathered_columns() -> dict:
+    from megacispo.models.layers import all_gather_columns
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=0)
+    group = torch.distributed.group.WORLD
+    out = {}
+    for rows in (3, 1):
+        shards = [torch.randn(rows, 5, generator=torch.Generator().manual_seed(2 * rows + rank)) for rank in range(2)]
+        mine = shards[group.rank()]
+        out[rows] = {"whole": torch.cat(shards, dim=1), "fp32": all_gather_columns(mine, group),
+                     "bf16": all_gather_columns(mine, group, torch.bfloat16)}
+    return out
+
+
+def test_gathered_columns_are_placed_and_cast_in_one_copy():
+    """all_gather_columns (the lightning norm's rows and the LM head's vocabulary at TP > 1): each rank's
+    columns side by side in rank order, in the tensor's dtype or cast (the norm's bf16), for several rows
+    and for one (where the gathered rows are already in place)."""
+    for rank, result in enumerate(run_distributed(_gathered_columns, 2)):
+        for rows, got in result.items():
+            assert torch.equal(got["fp32"], got["whole"]), (rank, rows)
+            assert got["bf16"].dtype == torch.bfloat16 and got["bf16"].is_contiguous(), (rank, rows)
+            assert torch.equal(got["bf16"], got["whole"].bfloat16()), (rank, rows)
 
 
 def _compare_compiled_parallel(layout: dict, backend: str) -> dict:
