@@ -20,7 +20,8 @@ and runs as compiled graphs: no decoder layer's ``step`` runs eagerly during its
 guards leave out most checks of the modules (``_lean_step_guards``) but keep their Python values: two
 models that differ only in their norms' epsilon each get their own lean step's logits. On 2 processes
 (TP 2 + EP 2, EP 2) the compiled step traces whole (fullgraph), its collectives inside the graph, and
-gives the Megatron path's logits: run by aot_eager in CI, by inductor in the slow tier.
+gives the Megatron path's logits: run by aot_eager in CI, by inductor in the slow tier. In a bf16
+rollout (EP 2) it traces the experts' composite whole, no ``megacispo::`` op left in the graph.
 """
 
 from __future__ import annotations
@@ -299,6 +300,36 @@ def test_lean_step_of_parallel_layouts_equals_megatron_path(name):
                 f"{name} rank {rank} {case}: max abs difference {outcome['error']['lean']:.2e} "
                 f"at logits up to {outcome['scale']:.1f}"
             )
+
+
+def _compare_compiled_bf16(layout: dict) -> dict:
+    """The compiled step in a bf16 rollout, traced whole and run by an FX backend that records the
+    graph's calls (eagerly)."""
+    model = _build_model(torch.float32, layout)
+    calls = set()
+
+    def recording(graph_module, example_inputs):
+        calls.update(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    model._compiled_lean = torch.compile(model._lean_stage, backend=recording, fullgraph=True)
+    prompts, steps = _inputs(model.vocab_size)
+    with model.generation_dtype(torch.bfloat16):
+        outcome = _teacher_forced(model, prompts, steps, None, ("lean", "megatron", "compiled"), rows_agree=True)
+    outcome["calls"] = calls
+    return outcome
+
+
+def test_compiled_bf16_step_traces_the_experts_composite():
+    """At EP 2 in bf16 (a GPU's rollouts) the compiled step traces local_expert_products' composite, its
+    grouped products and the scratch row for other ranks' pairs, rather than the op: no graph break, no
+    ``megacispo::`` op in the graph, the eager lean step's logits."""
+    for rank, outcome in enumerate(run_distributed(_compare_compiled_bf16, 2, PARALLEL_LAYOUTS["ep2"])):
+        calls = outcome["calls"]
+        assert any("_grouped_mm" in call for call in calls), (rank, sorted(calls))
+        assert not [call for call in calls if "megacispo" in call], (rank, sorted(calls))
+        assert outcome["block_calls"]["compiled"] == 0 and outcome["layer_steps"]["compiled"] == 0, rank
+        assert outcome["error"]["compiled"] <= outcome["error"]["lean"] + 1e-2 * outcome["scale"], (rank, outcome)
 
 
 def _gathered_columns() -> dict:
