@@ -127,8 +127,8 @@ def measure(slot_counts: list[int], experts: int) -> list[tuple]:
 
 def measure_parallel(slot_counts: list[int], experts: int, layout: dict, compiled: bool = False) -> list[tuple]:
     """Both decode paths of the same model under a multi-process ``layout`` (random weights: the counts
-    do not depend on them), this rank's ops: (slots, lean fp32, lean bf16, megatron, compiled bf16 or
-    None) per slot count."""
+    do not depend on them), this rank's ops: (slots, lean fp32, lean bf16, compiled bf16 or None,
+    megatron) per slot count, as ``measure`` orders them."""
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.parallel.layout import ParallelConfig, init_distributed
@@ -138,7 +138,7 @@ def measure_parallel(slot_counts: list[int], experts: int, layout: dict, compile
     init_distributed(parallel, seed=0)
     model = HybridModel(config, transformer_config(config, parallel)).eval()
     return [(slots, count_ours(model, slots, lean=True), count_ours(model, slots, lean=True, dtype=torch.bfloat16),
-             count_ours(model, slots, lean=False), count_compiled(model, slots) if compiled else None)
+             count_compiled(model, slots) if compiled else None, count_ours(model, slots, lean=False))
             for slots in slot_counts]
 
 
@@ -175,7 +175,7 @@ def main() -> None:
         print(f"\n{name}, {processes} processes, rank 0; collectives counted as ops\n")
         print("| slots | lean fp32 | lean bf16 | compiled bf16 | megatron | lean syncs | megatron syncs |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
-        for slots, (lean, lean_syncs), (lean_bf16, _), (megatron, megatron_syncs), compiled in rows:
+        for slots, (lean, lean_syncs), (lean_bf16, _), compiled, (megatron, megatron_syncs) in rows:
             print(f"| {slots} | {lean} | {lean_bf16} | {compiled:.1f} | {megatron} | {lean_syncs} | {megatron_syncs} |")
 
 

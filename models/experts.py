@@ -66,6 +66,7 @@ from megacispo.models.layers import (
     all_gather_rows,
     stack_weights_as_views,
     weight_places,
+    weights_at,
 )
 
 
@@ -262,14 +263,17 @@ def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
         return torch.arange(num_experts, device=device)
 
 
-def step_experts(implementation, *args) -> torch.Tensor:
-    """A decode step's experts (``decode_experts`` or ``local_expert_products``, their arguments): the op
+def step_experts(
+    implementation, tokens: torch.Tensor, probs: torch.Tensor, top_experts: torch.Tensor, fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor, residual_scale: float, update_scale: float,
+) -> torch.Tensor:
+    """A decode step's experts (``decode_experts`` or ``local_expert_products``, with its arguments): the op
     ``megacispo::<name>``, a place for a backend's own kernel and one node of a compiled graph, whose
     tracing holds grouped products to their CUDA kernels' dtype (bf16) on every device; under
     torch.compile a bf16 step (a GPU's rollouts) whose grouped products take it traces the composite
     instead, so that the graph fuses the permutation's and the SwiGLU's elementwise ops with their
     neighbours."""
-    tokens, fc1_weight, fc2_weight = args[0], args[3], args[4]
+    args = (tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale)
     traced = torch.compiler.is_compiling() and tokens.dtype == torch.bfloat16
     if traced and grouped_products_take(tokens, fc1_weight, fc2_weight):
         return implementation(*args)
@@ -307,10 +311,11 @@ class StacksExpertWeights(StacksWeights):
         if self._stacked is not None:
             return self._stacked
         fc1_places, fc2_places = self.expert_weight_places()
-        return _stacked_now(fc1_places), _stacked_now(fc2_places)
+        return torch.stack(weights_at(fc1_places)), torch.stack(weights_at(fc2_places))
 
     def stacked_parameters(self) -> list[torch.nn.Parameter]:
-        return [getattr(module, name) for places in self.expert_weight_places() for module, name in places]
+        fc1_places, fc2_places = self.expert_weight_places()
+        return weights_at(fc1_places + fc2_places)
 
     def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
         """One stack per projection, [E, 2F, H] and [E, H, F], the experts' weights views of it."""
@@ -322,10 +327,6 @@ class StacksExpertWeights(StacksWeights):
 
     def forget_stacks(self) -> None:
         self._stacked = None
-
-
-def _stacked_now(places: list[tuple[torch.nn.Module, str]]) -> torch.Tensor:
-    return torch.stack([getattr(module, name) for module, name in places])
 
 
 class SkipEmptySequentialMLP(SequentialMLP, StacksExpertWeights):
@@ -382,8 +383,8 @@ class SkipEmptySequentialMLP(SequentialMLP, StacksExpertWeights):
         super().forget_stacks()
 
     def _look_up_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        experts = self.local_experts
-        return [expert.linear_fc1.weight for expert in experts], [expert.linear_fc2.weight for expert in experts]
+        fc1_places, fc2_places = self.expert_weight_places()
+        return weights_at(fc1_places), weights_at(fc2_places)
 
 
 class StackingTEGroupedMLP(TEGroupedMLP, StacksExpertWeights):

@@ -309,6 +309,11 @@ def weight_places(*linears: torch.nn.Module) -> list[tuple[torch.nn.Module, str]
     return [(linear, "weight") for linear in linears]
 
 
+def weights_at(places: list[tuple[torch.nn.Module, str]]) -> list[torch.Tensor]:
+    """The parameters at ``places``, (module, parameter name) pairs."""
+    return [getattr(module, name) for module, name in places]
+
+
 def stack_weights_as_views(
     places: list[tuple[torch.nn.Module, str]], dtype_of, *, new_dim: bool
 ) -> tuple[torch.Tensor, list[tuple[torch.nn.Module, str, torch.nn.Parameter]]]:
@@ -318,7 +323,7 @@ def stack_weights_as_views(
     of it in each weight's place, so that a decode step multiplies by the whole tensor in one kernel
     while the modules keep their parameters' names and shapes. Returns (the tensor,
     [(module, name, the parameter replaced)] to put back)."""
-    weights = [getattr(module, name) for module, name in places]
+    weights = weights_at(places)
     rows = [weight.shape[0] for weight in weights]
     shape = (len(weights), *weights[0].shape) if new_dim else (sum(rows), *weights[0].shape[1:])
     stack = weights[0].new_empty(shape, dtype=dtype_of(weights[0]))

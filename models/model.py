@@ -41,8 +41,9 @@ group's tokens and reduce-scatters its experts' sums instead of the all-to-all (
 the TP group, whose ranks hold the same tokens, all-reduces them). Each sublayer adds the residual in
 its last product. Local and Transformer Engine layers take it alike (its products are plain bf16
 matmuls on their weights; rollouts run outside FP8). Prefill, FP8 GEMMs and EP ranks whose rows
-differ use the Megatron modules; ``lean_decode = False`` forces them for decode steps too. The compiled step
-(``decode_step(compiled=True)``) traces the lean path at any TP and EP, its collectives in the graph.
+differ use the Megatron modules; ``lean_decode = False`` forces them for decode steps too. The
+compiled step (``decode_step(compiled=True)``) traces the lean path at any TP and EP, its collectives
+in the graph.
 """
 
 from __future__ import annotations
@@ -340,9 +341,9 @@ class HybridModel(LanguageModule):
 
         FP8 (and FP4) is off within it: with precision.fp8 set, rollouts run in ``dtype`` on these
         weights (M1's choice: the prefill through Transformer Engine's GEMMs, the decode steps through
-        the lean step's products), so no rollout depends on TE's divisibility
-        rule for the token count (a decode step has as many tokens as running slots) or uses TE's FP8
-        weight cache, which only Megatron's schedule refreshes after an optimizer step.
+        the lean step's products), so no rollout depends on TE's divisibility rule for the token count
+        (a decode step has as many tokens as running slots) or uses TE's FP8 weight cache, which only
+        Megatron's schedule refreshes after an optimizer step.
         """
         computing_in_fp32 = set()
         if self.config.moe_router_dtype in ("fp32", "fp64"):

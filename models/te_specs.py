@@ -1,7 +1,7 @@
 """The Transformer Engine backend of the hybrid layers (models.decoder_layer.TRANSFORMER_ENGINE_BACKEND):
 TE linears for the mixers' projections (here) and TE grouped experts for the MoE
-(models.decoder_layer.te_moe_spec), so that their GEMMs run in FP8 under Megatron-Core's fp8_autocast (TransformerBlock enters it per layer from the
-TransformerConfig's fp8 fields).
+(models.decoder_layer.te_moe_spec), so that their GEMMs run in FP8 under Megatron-Core's fp8_autocast
+(TransformerBlock enters it per layer from the TransformerConfig's fp8 fields).
 
 What stays out of FP8: the embedding and the LM head (local Megatron linears outside the decoder;
 fp32 with model.fp32_lm_head), the router (Megatron's TopKRouter, an fp32 torch GEMM), the RMSNorms
@@ -19,8 +19,8 @@ the row, N / CP (/ TP under sequence parallelism), not to N.
 Nothing here imports transformer_engine, or Megatron's TE extension, until a layer is built: the
 specs name the builders, and the experts' spec names TE's grouped linears by module path (Megatron's
 build_module imports a ``(module, name)`` pair when it builds), so a spec can be made and inspected on
-a machine without Transformer Engine. Importing this module imports no Megatron either: the start-up check
-(``require_transformer_engine``) runs before anything heavy is loaded.
+a machine without Transformer Engine. Importing this module imports no Megatron either: the start-up
+check (``require_transformer_engine``) runs before anything heavy is loaded.
 """
 
 from __future__ import annotations
