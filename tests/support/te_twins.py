@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core.utils import divide
 
 from megacispo.models import decoder_layer
+from megacispo.models.layers import parameter_device
 
 
 class _GroupedLinearTwin(torch.nn.Module):
@@ -31,7 +32,7 @@ class _GroupedLinearTwin(torch.nn.Module):
         super().__init__()
         self.num_gemms = num_gemms
         for i in range(num_gemms):
-            weight = torch.empty(output_size, input_size, dtype=config.params_dtype)
+            weight = torch.empty(output_size, input_size, dtype=config.params_dtype, device=parameter_device(config))
             init_method(weight)
             self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
 
