@@ -24,13 +24,16 @@ and the exit status, not the rest of the check.
    log-probs and their gradient from a vocabulary shard of M1's size (V/TP = 200,064 / 8), the
    fused chunked LM head against logits @ log_softmax, with time and peak memory; relative error
    at most 1e-5.
-4. decode: the ``small`` model with local layers, and with Transformer Engine layers built for FP8
-   GEMMs (--fp8-recipe; needs transformer-engine), in bf16 rollouts: the lean decode step against
-   Megatron's modules, the log-probs of 16 teacher-forced steps' tokens within 0.05; ``generate``
-   with rollout.compile_decode off and on, 16 slots: decode tokens/s, CUDA kernels per decode step
-   (torch.profiler) and host syncs per decode step (torch.cuda.set_sync_debug_mode("warn")), each
-   the difference of two generate calls of 16 and 64 tokens over their 48 decode steps (prefill
-   excluded), unbounded.
+4. decode: the decode step's expert kernels (models/experts_triton.py) against their ops' composites
+   at one MoE layer of M1's decode on an EP rank, fp32 and bf16: relative error at most 1e-6 (fp32)
+   and 1e-2 (bf16), each pair's position exact, the kernels' time beside the composites', and their
+   registers and spills; the ``small`` model with local layers, and with Transformer Engine layers
+   built for FP8 GEMMs (--fp8-recipe; needs transformer-engine), in bf16 rollouts: the lean decode
+   step against Megatron's modules, the log-probs of 16 teacher-forced steps' tokens within 0.05;
+   ``generate`` with rollout.compile_decode off and on, 16 slots: decode tokens/s, CUDA kernels per
+   decode step (torch.profiler) and host syncs per decode step
+   (torch.cuda.set_sync_debug_mode("warn")), each the difference of two generate calls of 16 and 64
+   tokens over their 48 decode steps (prefill excluded), unbounded.
 
 5. the driver, as a user runs it: torchrun (NCCL, world size 1) launches the real entry points on
    the ``tiny`` model, in fp32 and in bf16 (--set precision.params_dtype=bfloat16), on the quick
@@ -418,8 +421,10 @@ def lightning_checks(args: argparse.Namespace, report: Report) -> None:
         else:
             with report.check("lightning speed", f"{name} {case}"):
                 report.add(replace(timed(), check="lightning speed", case=f"{name} {case}"))
+    from megacispo.models import lightning_triton
+
     with report.check("triton kernels", "registers"):
-        for row in triton_kernel_rows():
+        for row in triton_kernel_rows(lightning_triton._state_scan_kernel, lightning_triton._block_output_kernel):
             report.add(row)
 
 
@@ -452,13 +457,11 @@ def lightning_speed_row(fn, q, k, v, grad_out, decay) -> Row:
                throughput=f"{q.shape[1] / step_ms / 1e3:.2f} Mtok/s fwd+bwd")
 
 
-def triton_kernel_rows() -> list[Row]:
-    """Registers per thread and spills of every compiled variant of the lightning kernels (Triton's
-    compiled-kernel metadata, read from the kernels' caches after the rows above ran them)."""
-    from megacispo.models import lightning_triton
-
+def triton_kernel_rows(*kernels) -> list[Row]:
+    """Registers per thread and spills of every compiled variant of ``kernels`` (Triton's
+    compiled-kernel metadata, read from the kernels' caches after the rows before ran them)."""
     rows = []
-    for kernel in (lightning_triton._state_scan_kernel, lightning_triton._block_output_kernel):
+    for kernel in kernels:
         for device, (compiled_kernels, *_) in kernel.device_caches.items():
             for compiled in compiled_kernels.values():
                 compiled._init_handles()  # loads the binary, which is what reports n_regs and n_spills
@@ -711,13 +714,30 @@ DECODE_SHORT, DECODE_LONG = 16, 64
 DECODE_PATHS_BOUND = 0.05
 
 
+# The decode step's expert kernels against their ops' composites: copies and an index (exact), silu and
+# a weighted sum that may round otherwise in the last bit.
+EXPERT_KERNELS_BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+# One MoE layer of M1's decode on an EP rank: 64 slots on each of EP 32 ranks gathered, top-2 of 32
+# experts (one on this rank), hidden 6144, the expert FFN 9216 over expert TP 8.
+M1_EXPERT_STEP = {"tokens": 64 * 32, "topk": 2, "num_experts": 32, "local": 1, "hidden": 6144, "ffn": 9216 // 8}
+
+
 def decode_checks(args: argparse.Namespace, report: Report) -> None:
+    from megacispo.models import experts_triton
     from megacispo.models.config import PrecisionConfig, model_config, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.models.te_specs import require_transformer_engine
     from megacispo.parallel.layout import ParallelConfig
 
     world_of_one()
+    for dtype in (torch.float32, torch.bfloat16):
+        case = f"M1's MoE layer on an EP rank, {str(dtype).removeprefix('torch.')}"
+        with report.check("decode expert kernels", case):
+            report.add(expert_kernels_row(experts_triton, dtype, "cuda", case, timed=True, **M1_EXPERT_STEP))
+    with report.check("triton kernels", "registers"):
+        for row in triton_kernel_rows(experts_triton._permute_pairs_kernel, experts_triton._swiglu_kernel,
+                                      experts_triton._combine_pairs_kernel):
+            report.add(row)
     config = model_config("small")
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, config.vocab_size, (DECODE_SLOTS, DECODE_PROMPT_TOKENS), generator=generator).tolist()
@@ -744,6 +764,52 @@ def decode_checks(args: argparse.Namespace, report: Report) -> None:
                 report.add(decode_row(model, prompts, compiled, case))
         del model
         torch.cuda.empty_cache()
+
+
+def expert_kernels_row(kernels, dtype: torch.dtype, device: str, case: str, *, tokens: int, topk: int,
+                       num_experts: int, local: int, hidden: int, ffn: int, timed: bool = False) -> Row:
+    """The Triton kernels of ``megacispo::permute_pairs``, ``swiglu`` and ``combine_pairs`` (``kernels``:
+    models/experts_triton.py, or a copy of it) against the ops' composites on random pairs, the experts
+    from ``local`` on another rank's, the rows no product wrote NaN: relative errors within
+    EXPERT_KERNELS_BOUND, and each pair's position exact. ``timed``: the kernels' time and the
+    composites' side by side (CUDA)."""
+    from megacispo.models.experts import combine_pairs, permute_pairs, swiglu
+
+    generator = torch.Generator().manual_seed(0)
+    token_rows = torch.randn(tokens, hidden, generator=generator).to(device=device, dtype=dtype)
+    choices = torch.rand(tokens, num_experts, generator=generator).argsort(dim=1)[:, :topk]
+    sorted_experts, order = torch.sort(choices.clamp(max=local).flatten().to(device), stable=True)
+    ends = torch.searchsorted(sorted_experts, torch.arange(local, device=device), right=True, out_int32=True)
+    computed = sorted_experts < local
+    projected = torch.randn(tokens * topk, 2 * ffn, generator=generator).to(device=device, dtype=dtype)
+    expert_outputs = torch.randn(tokens * topk, hidden, generator=generator).to(device=device, dtype=dtype)
+    expert_outputs[~computed] = float("nan")
+    probs = torch.rand(tokens, topk, generator=generator).to(device)
+    rows, positions = kernels.permute_pairs_triton(token_rows, sorted_experts, order, local)
+    expected_rows, expected_positions = permute_pairs(token_rows, sorted_experts, order, local)
+    # (kernel, composite) of each op, on the same inputs.
+    calls = {
+        "permute": (lambda: kernels.permute_pairs_triton(token_rows, sorted_experts, order, local),
+                    lambda: permute_pairs(token_rows, sorted_experts, order, local)),
+        "swiglu": (lambda: kernels.swiglu_triton(projected, ends), lambda: swiglu(projected, ends)),
+        "combine": (lambda: kernels.combine_pairs_triton(token_rows, probs, expert_outputs, expected_positions, 1.0,
+                                                         1.0),
+                    lambda: combine_pairs(token_rows, probs, expert_outputs, expected_positions, 1.0, 1.0)),
+    }
+    rows_done = int(ends[-1])
+    errors = {
+        "permute": relative_error(rows[computed], expected_rows[computed]),
+        "positions": float((positions != expected_positions).sum()),
+        "swiglu": relative_error(*(call()[:rows_done] for call in calls["swiglu"])),
+        "combine": relative_error(*(call() for call in calls["combine"])),
+    }
+    row = error_row("decode expert kernels", case, errors, EXPERT_KERNELS_BOUND[dtype],
+                    note=f"{tokens} tokens, top-{topk}, {local} of {num_experts} experts local, hidden {hidden}, "
+                         f"FFN {ffn}")
+    if timed:
+        row.time = ", ".join(f"{name} {cuda_ms(kernel, repeats=20):.3f} (torch {cuda_ms(composite, repeats=20):.3f})"
+                             for name, (kernel, composite) in calls.items())
+    return row
 
 
 def decode_paths_row(model, prompts: list[list[int]], case: str, steps: int = DECODE_SHORT) -> Row:

@@ -43,10 +43,13 @@ The experts of a step, with the layer's residual, are computed by the op ``megac
 (under EP ``megacispo::local_expert_products``, a rank's own experts) from the experts' stacked weights
 (``stacked_weights``: HybridModel.generation_dtype stacks them once per rollout) as a fixed number of
 ops with no host sync, whatever the routing: grouped products (``torch._grouped_mm``) over all slots'
-routed tokens, or a dense form where no grouped product takes the dtype. A backend may register a
-kernel of its own for an op (the CPU layer does for decode_experts, parallel/cpu/). Under
-torch.compile (``decode_step(compiled=True)``) a bf16 step traces the op's composite, whose
-elementwise ops the graph fuses; in other dtypes the op is one node of the graph (``step_experts``).
+routed tokens, or a dense form where no grouped product takes the dtype. Around the grouped products
+three ops do the bookkeeping (``permute_pairs``, ``swiglu``, ``combine_pairs``): a Triton kernel each
+on CUDA (models/experts_triton.py) where torch launches eight, their composites of torch ops elsewhere.
+A backend may register a kernel of its own for an op (the CPU layer does for decode_experts,
+parallel/cpu/). Under torch.compile (``decode_step(compiled=True)``) a bf16 step traces the op's
+composite, whose elementwise ops the graph fuses and whose bookkeeping ops it calls; in other dtypes
+the op is one node of the graph (``step_experts``).
 """
 
 from __future__ import annotations
@@ -167,32 +170,21 @@ def grouped_products_take(tokens: torch.Tensor, fc1_weight: torch.Tensor, fc2_we
 
 def grouped_expert_products(
     tokens: torch.Tensor, probs: torch.Tensor, top_experts: torch.Tensor, fc1_weight: torch.Tensor,
-    fc2_weight: torch.Tensor, residual_scale: float, update_scale: float, *, elsewhere: bool = False,
+    fc2_weight: torch.Tensor, residual_scale: float, update_scale: float,
 ) -> torch.Tensor:
     """decode_experts through grouped products: Megatron's permutation (expert-major rows, token order
     within an expert: a stable sort of the token-major (token, slot) pairs by expert), each expert's
-    rows multiplied by its weights in one ``torch._grouped_mm`` per projection; the outputs go back to
-    their pairs' places, and one batched product weighs each token's k outputs by its routing weights,
-    sums them and adds the residual. ``elsewhere``: top_experts may hold E (another rank's expert,
-    ``local_expert_products``); those rows sort last, past every group, so no product computes them,
-    and they are written to a scratch row: their pairs' outputs stay 0."""
-    batch, topk = top_experts.shape
+    rows multiplied by its weights in one ``torch._grouped_mm`` per projection, then each token's k
+    outputs weighed by its routing weights and summed, with the residual (``combine_pairs``).
+    top_experts may hold E (another rank's expert, ``local_expert_products``): those pairs sort last,
+    past every group, so no product computes them, and they add 0."""
     num_experts = fc1_weight.shape[0]
     sorted_experts, order = torch.sort(top_experts.flatten(), stable=True)  # [b * k]
     # Where each expert's rows end (int32, as grouped_mm takes them), found on the device.
     ends = torch.searchsorted(sorted_experts, _expert_ids(num_experts, tokens.device), right=True, out_int32=True)
-    rows = tokens.index_select(0, order.div(topk, rounding_mode="floor"))  # [b * k, H]
+    rows, positions = torch.ops.megacispo.permute_pairs(tokens, sorted_experts, order, num_experts)  # [b * k, H]
     expert_outputs = sorted_rows_products(rows, ends, fc1_weight, fc2_weight)  # [b * k, H], unweighted
-    pairs = batch * topk
-    if elsewhere:
-        # The uncomputed rows hold uninitialized memory: pair ``pairs``, dropped, takes them all.
-        order = order.masked_fill(sorted_experts == num_experts, pairs)
-        by_pair = expert_outputs.new_zeros(pairs + 1, tokens.shape[1]).index_copy_(0, order, expert_outputs)[:pairs]
-    else:
-        by_pair = torch.empty_like(expert_outputs).index_copy_(0, order, expert_outputs)
-    summed = torch.baddbmm(tokens[:, None], probs.to(tokens.dtype)[:, None], by_pair.view(batch, topk, -1),
-                           beta=residual_scale, alpha=update_scale)  # [b, 1, H]
-    return summed[:, 0]
+    return torch.ops.megacispo.combine_pairs(tokens, probs, expert_outputs, positions, residual_scale, update_scale)
 
 
 def local_expert_products(
@@ -208,7 +200,7 @@ def local_expert_products(
     the dense form."""
     if grouped_products_take(tokens, fc1_weight, fc2_weight):
         return grouped_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight, residual_scale,
-                                       update_scale, elsewhere=True)
+                                       update_scale)
     return dense_expert_products(tokens, probs, local_experts, fc1_weight, fc2_weight, residual_scale, update_scale)
 
 
@@ -220,11 +212,49 @@ def sorted_rows_products(
     row's expert output [n, H] (``expert_mlp``'s math; with routing weights probs [n], applied after
     the SwiGLU as Megatron's MLP applies them), as two grouped products over the stacked weights: two
     kernels whatever the experts' loads."""
-    gate, up = torch._grouped_mm(rows, fc1_weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    intermediate = F.silu(gate) * up
+    intermediate = torch.ops.megacispo.swiglu(torch._grouped_mm(rows, fc1_weight.transpose(1, 2), offs=ends), ends)
     if probs is not None:
         intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
     return torch._grouped_mm(intermediate, fc2_weight.transpose(1, 2), offs=ends)
+
+
+def permute_pairs(
+    tokens: torch.Tensor, sorted_experts: torch.Tensor, order: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op ``megacispo::permute_pairs``: a decode step's (token, expert) pairs in expert order.
+    tokens [n, H]; order [P] (P = n * k), the pair at each sorted position (pair p is token p // k's
+    choice p % k); sorted_experts [P], its expert, num_experts or more for another rank's ->
+    (rows [P, H], the token row at each sorted position; positions [P] int64, each pair's sorted
+    position, -1 for another rank's expert). Its CUDA kernel leaves the rows of other ranks' experts
+    unwritten: no product reads them."""
+    pairs = order.numel()
+    rows = tokens.index_select(0, order.div(pairs // tokens.shape[0], rounding_mode="floor"))
+    sorted_positions = torch.arange(pairs, device=order.device).masked_fill(sorted_experts >= num_experts, -1)
+    return rows, torch.empty_like(order).index_copy_(0, order, sorted_positions)
+
+
+def swiglu(projected: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The op ``megacispo::swiglu``: projected [m, 2F] (gate | up, the first product's output, its
+    rows sorted by expert, expert e's ending at ends[e]) -> silu(gate) * up [m, F]. The rows past
+    ends[-1], which no product wrote, are the CUDA kernel's to skip."""
+    gate, up = projected.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def combine_pairs(
+    tokens: torch.Tensor, probs: torch.Tensor, expert_outputs: torch.Tensor, positions: torch.Tensor,
+    residual_scale: float, update_scale: float,
+) -> torch.Tensor:
+    """The op ``megacispo::combine_pairs``: tokens [n, H], routing weights probs [n, k], the experts'
+    output rows expert_outputs [P, H] by sorted position and each pair's position positions [P]
+    (``permute_pairs``) -> [n, H], ``residual_scale * tokens + update_scale *`` each token's outputs
+    weighed by its routing weights (cast to the tokens' dtype) and summed; a pair at position -1
+    (another rank's expert) adds 0. Rows at no pair's position are never read (no product wrote them)."""
+    batch, topk = probs.shape
+    by_pair = F.pad(expert_outputs, (0, 0, 0, 1))[positions]  # [P, H]: position -1 reads the zero row
+    summed = torch.baddbmm(tokens[:, None], probs.to(tokens.dtype)[:, None], by_pair.view(batch, topk, -1),
+                           beta=residual_scale, alpha=update_scale)  # [b, 1, H]
+    return summed[:, 0]
 
 
 def dense_expert_products(
@@ -271,8 +301,8 @@ def step_experts(
     ``megacispo::<name>``, a place for a backend's own kernel and one node of a compiled graph, whose
     tracing holds grouped products to their CUDA kernels' dtype (bf16) on every device; under
     torch.compile a bf16 step (a GPU's rollouts) whose grouped products take it traces the composite
-    instead, so that the graph fuses the permutation's and the SwiGLU's elementwise ops with their
-    neighbours."""
+    instead, so that the graph fuses its elementwise ops with their neighbours and calls the
+    bookkeeping ops' kernels."""
     args = (tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale)
     traced = torch.compiler.is_compiling() and tokens.dtype == torch.bfloat16
     if traced and grouped_products_take(tokens, fc1_weight, fc2_weight):
@@ -290,6 +320,48 @@ for _name, _implementation in (("decode_experts", decode_experts), ("local_exper
     torch.library.register_fake(f"megacispo::{_name}")(
         lambda tokens, probs, top_experts, fc1_weight, fc2_weight, residual_scale, update_scale: torch.empty_like(tokens)
     )
+
+
+@functools.cache
+def _triton_kernels():
+    """models/experts_triton.py, imported (with Triton) at the first call on a GPU."""
+    from megacispo.models import experts_triton
+
+    return experts_triton
+
+
+def _triton_kernel(name: str):
+    """The CUDA kernel of op ``name``: its launcher in models/experts_triton.py."""
+
+    def launch(*args):
+        return getattr(_triton_kernels(), f"{name}_triton")(*args)
+
+    return launch
+
+
+# The grouped products' bookkeeping: a composite of torch ops (the CPU, tracing) and one Triton kernel
+# each on CUDA, where torch would launch two to six.
+_LIBRARY.define(
+    "permute_pairs(Tensor tokens, Tensor sorted_experts, Tensor order, int num_experts) -> (Tensor, Tensor)"
+)
+_LIBRARY.define("swiglu(Tensor projected, Tensor ends) -> Tensor")
+_LIBRARY.define(
+    "combine_pairs(Tensor tokens, Tensor probs, Tensor expert_outputs, Tensor positions, float residual_scale, "
+    "float update_scale) -> Tensor"
+)
+for _name, _implementation in (("permute_pairs", permute_pairs), ("swiglu", swiglu), ("combine_pairs", combine_pairs)):
+    _LIBRARY.impl(_name, _implementation, "CompositeExplicitAutograd")
+    _LIBRARY.impl(_name, _triton_kernel(_name), "CUDA")
+torch.library.register_fake("megacispo::permute_pairs")(
+    lambda tokens, sorted_experts, order, num_experts: (tokens.new_empty(order.numel(), tokens.shape[1]),
+                                                        torch.empty_like(order))
+)
+torch.library.register_fake("megacispo::swiglu")(
+    lambda projected, ends: projected.new_empty(projected.shape[0], projected.shape[1] // 2)
+)
+torch.library.register_fake("megacispo::combine_pairs")(
+    lambda tokens, probs, expert_outputs, positions, residual_scale, update_scale: torch.empty_like(tokens)
+)
 
 
 class StacksExpertWeights(StacksWeights):

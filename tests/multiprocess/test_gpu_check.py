@@ -6,7 +6,7 @@ and rollout-ranks stages, and bf16 weights: tests/slow/test_gpu_check.py); a sta
 its row, the rows that need it and the exit status; the multi-GPU stages are skipped, failing
 nothing, where one GPU is visible, and fp8 without Transformer Engine; a row fails on a number over
 its bound with the number and the bound in it (the decode-paths row on a planted lean-step
-mistake, run on the CPU); past its time budget nothing starts; and without CUDA the GPU check
+mistake, the decode expert kernels' row on planted kernel mistakes, run on the CPU); past its time budget nothing starts; and without CUDA the GPU check
 itself stops at once with one line."""
 
 from __future__ import annotations
@@ -202,6 +202,37 @@ def test_the_decode_paths_row_fails_a_lean_step_that_departs_from_megatrons_modu
     (bad,) = run_distributed(_decode_paths_rows, 1, 0.25)
     assert good[0] == "pass" and good[1].startswith("max |lean - megatron log-prob| "), good
     assert bad[0] == "FAIL" and bad[2].startswith("log-prob gap ") and bad[2].endswith(" > 0.05"), bad
+
+
+# A small MoE layer on an EP rank for the interpreter: odd sizes, two of seven experts local.
+SMALL_EXPERT_STEP = {"tokens": 13, "topk": 2, "num_experts": 7, "local": 2, "hidden": 40, "ffn": 24}
+
+
+def test_the_expert_kernels_row_passes_the_kernels_and_fails_a_wrong_one():
+    """The decode expert kernels' row on the CPU, with the kernels in Triton's interpreter (in fp32:
+    its casts to bf16 truncate, where a GPU's round to nearest), within its bound; and a combine kernel
+    that drops the residual, and a permute that swaps two positions, over it."""
+    from megacispo.testing.triton_modules import load_kernels_module
+
+    dtype = torch.float32
+    kernels = load_kernels_module("megacispo.models.experts_triton", interpret=True, name="_gpu_check_experts")
+    good = gpu_check.expert_kernels_row(kernels, dtype, "cpu", "small", **SMALL_EXPERT_STEP)
+    assert good.status == "pass", good
+    interpreted = {name: getattr(kernels, name) for name in ("combine_pairs_triton", "permute_pairs_triton")}
+
+    def swapped(*args):
+        rows, positions = interpreted["permute_pairs_triton"](*args)
+        return rows, positions.roll(1)
+
+    planted = {"combine_pairs_triton": lambda tokens, *args: interpreted["combine_pairs_triton"](0 * tokens, *args),
+               "permute_pairs_triton": swapped}
+    for name, wrong in planted.items():
+        setattr(kernels, name, wrong)
+        try:
+            bad = gpu_check.expert_kernels_row(kernels, dtype, "cpu", "small", **SMALL_EXPERT_STEP)
+        finally:
+            setattr(kernels, name, interpreted[name])
+        assert bad.status == "FAIL" and bad.failure.endswith(f" > {gpu_check.EXPERT_KERNELS_BOUND[dtype]:g}"), bad
 
 
 def test_without_cuda_the_gpu_check_stops_at_once_with_one_line():

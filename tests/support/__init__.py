@@ -10,7 +10,8 @@ tests/support; import it, never put tests/ on sys.path). Production code never i
 - layout_matrix, bad_inputs, loss_comparison, gpu_check_twin, saved_activations: what a test file
   and its slow-tier counterpart share;
 - reward_fixtures, fault_rewards: reward functions a run loads as ``megacispo.testing.<module>:<name>``;
-- tool_modules: the loader of tools/ scripts (``load_tool``).
+- tool_modules: the loader of tools/ scripts (``load_tool``);
+- triton_modules: private copies of a Triton kernels' module, interpreted on the CPU (``load_kernels_module``).
 
 The fixtures built on these are in tests/conftest.py.
 """

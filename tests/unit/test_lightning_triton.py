@@ -1,17 +1,12 @@
 """Triton lightning-attention kernels against the naive recurrence, run in Triton's CPU interpreter.
 
-Triton reads TRITON_INTERPRET when @triton.jit runs, i.e. when the kernels' module is imported, so
-the tests load private copies of megacispo.models.lightning_triton with the variable set (or unset)
-just for that import: the environment and the importable module stay as they were for other tests.
-Triton itself is imported without the variable, so its own @triton.jit helpers (tl.zeros, tl.sum,
-...) cannot run in the interpreter: the kernels use only builtins, and a test here fails if not.
-The interpreter runs every kernel program in Python, so the sizes are tiny: block 16, head dim 16,
-a few dozen tokens.
+The tests load private copies of megacispo.models.lightning_triton with TRITON_INTERPRET set (or
+unset) just for that import (megacispo.testing.triton_modules); the kernels use only Triton's
+builtins, and a test here fails if not. The interpreter runs every kernel program in Python, so the
+sizes are tiny: block 16, head dim 16, a few dozen tokens.
 """
 
-import importlib.util
 import sys
-from types import ModuleType
 
 import pytest
 import torch
@@ -19,25 +14,11 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]'); the kernels need it")
 
 from megacispo.models.lightning import lightning_attention, lightning_attention_reference  # noqa: E402
+from megacispo.testing.triton_modules import load_kernels_module  # noqa: E402
 
 
-def _load_kernels_module(interpret: bool, name: str) -> ModuleType:
-    """A fresh copy of megacispo.models.lightning_triton under its own module name."""
-    path = importlib.util.find_spec("megacispo.models.lightning_triton").origin
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    with pytest.MonkeyPatch.context() as patch:
-        if interpret:
-            patch.setenv("TRITON_INTERPRET", "1")
-        else:
-            patch.delenv("TRITON_INTERPRET", raising=False)
-        spec.loader.exec_module(module)
-    assert module.INTERPRETED == interpret
-    return module
-
-
-_interpreted = _load_kernels_module(interpret=True, name="_lightning_triton_interpreted")
+KERNELS = "megacispo.models.lightning_triton"
+_interpreted = load_kernels_module(KERNELS, interpret=True, name="_lightning_triton_interpreted")
 lightning_attention_triton = _interpreted.lightning_attention_triton
 
 BLOCK = 16
@@ -155,7 +136,7 @@ def test_rejects_block_size_that_is_not_a_power_of_two() -> None:
 
 def test_cpu_without_interpreter_raises_clear_error() -> None:
     """Without TRITON_INTERPRET the kernels are compiled for a GPU: CPU tensors must be refused."""
-    compiled = _load_kernels_module(interpret=False, name="_lightning_triton_compiled")
+    compiled = load_kernels_module(KERNELS, interpret=False, name="_lightning_triton_compiled")
     q, k, v, _ = _random_inputs(batch=1, seq_len=4, num_states=None)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU.*TRITON_INTERPRET=1"):
         compiled.lightning_attention_triton(q, k, v, DECAY)
@@ -164,7 +145,7 @@ def test_cpu_without_interpreter_raises_clear_error() -> None:
 def test_without_triton_module_imports_and_call_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU-only installs have no triton: importing must work (the lead dispatches on q.is_cuda)."""
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    without_triton = _load_kernels_module(interpret=False, name="_lightning_triton_without_triton")
+    without_triton = load_kernels_module(KERNELS, interpret=False, name="_lightning_triton_without_triton")
     q, k, v, _ = _random_inputs(batch=1, seq_len=4, num_states=None)
     with pytest.raises(RuntimeError, match="needs the triton package"):
         without_triton.lightning_attention_triton(q, k, v, DECAY)

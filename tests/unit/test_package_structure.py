@@ -21,8 +21,9 @@ DEFERRED_IMPORTS = {
     ("megacispo.sft", "megacispo.training.sft"),
     ("megacispo.eval", "megacispo.evaluation.run"),
     ("megacispo.score", "megacispo.evaluation.scoring"),
-    # Triton, an optional package, is imported only when its kernel is asked for.
+    # Triton, an optional package, is imported only when its kernels are asked for.
     ("megacispo.models.lightning", "megacispo.models.lightning_triton"),
+    ("megacispo.models.experts", "megacispo.models.experts_triton"),
     # The CPU layer's one switch (parallel/cpu), turned on only on a CPU run.
     ("megacispo.parallel.layout", "megacispo.parallel.cpu"),
     # Megatron-Core's load strategies, imported at the first load (the dry runs import no Megatron-Core).
