@@ -1,18 +1,22 @@
 """The GPU check: on one CUDA GPU, in a few minutes, the numbers the CPU test suite cannot give.
 
-A row fails on an exception and on a wrong number: each bounded row shows what it measured, its
-bound and its status; a failed bound fails the row (its note says which value is over which bound)
-and the exit status, not the rest of the check.
+One table, a row per check: what it measured (value), the bound it must keep, its status (pass,
+FAIL, skip) and a note (what the row measured besides, and why it failed). Every row of this
+project's code has a bound; a row fails on an exception or a value over its bound (the note says
+which value is over which bound), and fails the exit status, not the rest of the check. Each row is
+printed to stderr as it finishes, and the table to stdout at the end.
 
 1. lightning attention: the Triton kernel (models/lightning_triton.py, what models.lightning
    dispatches to on CUDA) against the block-wise torch implementation of models/lightning.py
    (the CPU path, run on the GPU): forward and backward error of Triton fp32 / bf16 inputs against
    the torch implementation in fp64, packed documents included, relative error at most 1e-4 (fp32)
-   and 3e-2 (bf16) for the output and each input's gradient; forward + backward time of each in
-   fp32 (what the mixer feeds it); fla's chunk_simple_gla with the same per-head decay as a peer
-   when fla is installed (its error against the same fp64 reference and its time, unbounded: an
-   fla that raises is a note in its row, not a failure); then the registers per thread and the
-   spills of every Triton kernel the rows above compiled.
+   and 3e-2 (bf16) for the output and each input's gradient; forward + backward time in fp32 (what
+   the mixer feeds it), no slower than the torch block-wise path it replaces; fla's
+   chunk_simple_gla with the same per-head decay as a peer when fla is installed (its error against
+   the same fp64 reference and its time, for comparison: a peer's rows are not bounded, and an fla
+   that raises is a note in its row); then the registers per thread and the spills of every Triton
+   kernel the rows above compiled: no spill, at most 255 registers (what the ahead-of-time compile
+   of tests/unit/test_triton_aot.py holds them to on the CPU).
 2. a training step of the ``small`` model through the Engine (Megatron DDP, optimizer), world size 1:
    bf16 weights with local layers, bf16 with Transformer Engine layers, and FP8 (Transformer Engine,
    --fp8-recipe): tokens/s, MFU (training FLOPs from the model config over the GPU's dense bf16
@@ -27,13 +31,16 @@ and the exit status, not the rest of the check.
 4. decode: the decode step's expert kernels (models/experts_triton.py) against their ops' composites
    at one MoE layer of M1's decode on an EP rank, fp32 and bf16: relative error at most 1e-6 (fp32)
    and 1e-2 (bf16), each pair's position exact, the kernels' time beside the composites', and their
-   registers and spills; the ``small`` model with local layers, and with Transformer Engine layers
-   built for FP8 GEMMs (--fp8-recipe; needs transformer-engine), in bf16 rollouts: the lean decode
-   step against Megatron's modules, the log-probs of 16 teacher-forced steps' tokens within 0.05;
-   ``generate`` with rollout.compile_decode off and on, 16 slots: decode tokens/s, CUDA kernels per
-   decode step (torch.profiler) and host syncs per decode step
+   registers and spills, bounded as section 1's; the ``small`` model with local layers, and with
+   Transformer Engine layers built for FP8 GEMMs (--fp8-recipe; needs transformer-engine), in bf16
+   rollouts: the lean decode step against Megatron's modules, the log-probs of 16 teacher-forced
+   steps' tokens within 0.05;
+   ``generate`` with rollout.compile_decode off and on, 16 slots: time per decode step, CUDA kernels
+   per decode step (torch.profiler) and host syncs per decode step
    (torch.cuda.set_sync_debug_mode("warn")), each the difference of two generate calls of 16 and 64
-   tokens over their 48 decode steps (prefill excluded), unbounded.
+   tokens over their 48 decode steps (prefill excluded): at most 30 kernels a layer and 100 besides
+   (the embedding, the LM head, the draw), at most one host sync every rollout.host_check_every
+   steps (4 on a GPU), and the compiled step no slower than the eager one.
 
 5. the driver, as a user runs it: torchrun (NCCL, world size 1) launches the real entry points on
    the ``tiny`` model, in fp32 and in bf16 (--set precision.params_dtype=bfloat16), on the quick
@@ -51,16 +58,16 @@ and the exit status, not the rest of the check.
    and expert TP 1 on 2 or 3), and the RL steps with placement.rollout_ranks = 1 (a training
    process and a rollout process that gets the weights by a sync after every update; its gap no
    larger than rl's); the checkpoint RL saved, --resume from it for one more step, and
-   megacispo.score on the result. One row per stage in a table of its own; a failed stage fails
-   its row and the stages that need it, not the check.
+   megacispo.score on the result. One row per stage (check "driver"), its bound what the stage
+   requires of its run; a failed stage fails its row and the stages that need it, not the check.
 
-Prints markdown tables; exits 1 if a check failed (its row says why), 2 without a CUDA GPU.
+Prints one markdown table; exits 1 if a row failed (its note says why), 2 without a CUDA GPU.
 
     bash benchmarks/gpu_check.sh            (or: python benchmarks/gpu_check.py --help)
 
 Time budget: gpu_check.sh stops the check at TIME_LIMIT_S (540 s: a lent GPU gives 10 minutes per
 call) and passes --budget-s 20 s below it; past the budget no section and no driver stage starts
-(its row fails, saying so) and a running stage is stopped, so the tables print before the limit.
+(its row fails, saying so) and a running stage is stopped, so the table prints before the limit.
 Aimed at: sections 1-4 about 3 minutes; the driver the rest, 19 torchrun launches at 2+ GPUs (13 on
 one) of about 15 s each where CUDA starts fast (on the CPU twin they take 7-18 s, the compiled bf16
 rollout 35 s). Not yet measured on a GPU: where the budget runs out, --driver-dtype bfloat16 halves
@@ -116,16 +123,14 @@ FP8_LOSS_BOUND = 0.05
 
 @dataclass
 class Row:
-    """One line of the table; ``failure`` (empty: passed) says why it failed: for a bound, the
-    measured value and the bound."""
+    """One line of the table: what was measured (``value``) against its ``bound``; ``failure`` (empty:
+    passed) says which value is over which bound. ``note`` holds what the row measures besides (times,
+    memory, a peer's numbers)."""
 
     check: str
     case: str
-    error: str = "-"
+    value: str = "-"
     bound: str = "-"
-    time: str = "-"
-    throughput: str = "-"
-    memory: str = "-"
     note: str = ""
     failure: str = ""
     skipped: bool = False
@@ -134,16 +139,23 @@ class Row:
     def status(self) -> str:
         return "FAIL" if self.failure else "skip" if self.skipped else "pass"
 
+    def cells(self) -> tuple[str, ...]:
+        """The table's cells; the note says why the row failed, unless its value does."""
+        why = f"FAILED: {self.failure}" if self.failure and self.failure != self.value else ""
+        note = "; ".join(part for part in (why, self.note) if part)
+        return tuple(cell.replace("|", "\\|") for cell in (self.check, self.case, self.value, self.bound, self.status,
+                                                          note))
+
 
 def over_bound(values: dict[str, float], bound: float) -> str:
     """The values above ``bound`` or not finite, as "name value > bound"; empty when every one keeps it."""
     return "; ".join(f"{name} {value:.2e} > {bound:g}" for name, value in values.items() if not value <= bound)
 
 
-def error_row(check: str, case: str, errors: dict[str, float], bound: float, **cells: str) -> Row:
+def error_row(check: str, case: str, errors: dict[str, float], bound: float, note: str = "") -> Row:
     """A row of measured relative errors that fails where one is over ``bound``."""
-    return Row(check, case, error=", ".join(f"{name} {value:.1e}" for name, value in errors.items()),
-               bound=f"<= {bound:g}", failure=over_bound(errors, bound), **cells)
+    return Row(check, case, value=", ".join(f"{name} {value:.1e}" for name, value in errors.items()),
+               bound=f"<= {bound:g}", note=note, failure=over_bound(errors, bound))
 
 
 class StageFailed(Exception):
@@ -154,33 +166,22 @@ class StageSkipped(Exception):
     """A driver stage this machine cannot run (the message says why); it fails nothing."""
 
 
-@dataclass
-class StageRow:
-    """One line of the driver's table."""
-
-    stage: str
-    dtype: str
-    seconds: float
-    result: str
-    passed: bool
-    skipped: bool = False
-
-    @property
-    def status(self) -> str:
-        return "skip" if self.skipped else "pass" if self.passed else "FAIL"
+TABLE_HEADER = ("check", "case", "value", "bound", "status", "note")
 
 
 @dataclass
 class Report:
+    """The check's rows, in one table; each row is printed (to stderr) as it finishes, so a check stopped
+    from outside still leaves the rows it finished."""
+
     budget: Budget = field(default_factory=lambda: Budget(0))
     rows: list[Row] = field(default_factory=list)
-    stages: list[StageRow] = field(default_factory=list)
     failed: bool = False
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
         self.failed |= bool(row.failure)
-        print(f"  done: {row.check} / {row.case}: {row.status}", file=sys.stderr, flush=True)
+        print(markdown_line(row.cells()), file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def check(self, check: str, case: str):
@@ -191,44 +192,40 @@ class Report:
             traceback.print_exc(file=sys.stderr)
             self.add(Row(check, case, failure=f"{type(error).__name__}: {str(error)[:120]}"))
 
-    def run_stage(self, stage: str, dtype: str, action: Callable[[], str]) -> bool:
-        """Run one driver stage (``action`` returns its key result); a failure becomes a failed row."""
-        started, skipped = time.perf_counter(), False
+    def run_stage(self, stage: str, dtype: str, bound: str, action: Callable[[], str]) -> bool:
+        """Run one driver stage (``action`` returns its key result), as a row of check "driver"; a
+        failure becomes a failed row. Whether it passed and ran."""
+        started, skipped, failure = time.perf_counter(), False, ""
         try:
-            result, passed = action(), True
+            result = action()
         except StageSkipped as reason:
-            result, passed, skipped = f"skipped: {reason}", True, True
+            result, skipped = f"skipped: {reason}", True
         except StageFailed as error:
-            result, passed = str(error), False
+            result = failure = str(error)
         except Exception as error:  # noqa: BLE001 - a bug of the check itself; the row and the exit status say so
             traceback.print_exc(file=sys.stderr)
-            result, passed = f"{type(error).__name__}: {str(error)[:200]}", False
-        self.add_stage(StageRow(stage, dtype, time.perf_counter() - started, result, passed, skipped))
-        return passed and not skipped
-
-    def add_stage(self, row: StageRow) -> None:
-        self.stages.append(row)
-        self.failed |= not row.passed
-        print(f"  done: driver {row.stage} / {row.dtype}: {row.status}", file=sys.stderr, flush=True)
+            result = failure = f"{type(error).__name__}: {str(error)[:200]}"
+        self.add(stage_row(stage, dtype, bound, result, failure=failure, skipped=skipped,
+                           seconds=time.perf_counter() - started))
+        return not failure and not skipped
 
     def table(self) -> str:
-        header = ("check", "case", "max error", "bound", "ms", "throughput", "peak memory", "status", "note")
-        cells = [(row.check, row.case, row.error, row.bound, row.time, row.throughput, row.memory, row.status,
-                  "; ".join(part for part in (row.failure and f"FAILED: {row.failure}", row.note) if part))
-                 for row in self.rows]
-        return markdown_table(header, [tuple(cell.replace("|", "/") for cell in line) for line in cells])
+        return markdown_table(TABLE_HEADER, [row.cells() for row in self.rows])
 
-    def stage_table(self) -> str:
-        header = ("stage", "dtype", "s", "result", "status")
-        cells = [(row.stage, row.dtype, f"{row.seconds:.1f}", row.result.replace("|", "/"), row.status)
-                 for row in self.stages]
-        return markdown_table(header, cells)
+
+def stage_row(stage: str, dtype: str, bound: str, result: str, failure: str = "", skipped: bool = False,
+              seconds: float = 0.0) -> Row:
+    """A driver stage's row: its result (why it failed, if it did)."""
+    return Row("driver", f"{stage} ({dtype})", value=result, bound=bound, note=f"{seconds:.1f} s", failure=failure,
+               skipped=skipped)
+
+
+def markdown_line(cells: tuple[str, ...]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
-    return "\n".join(lines)
+    return "\n".join([markdown_line(header), "|" + "---|" * len(header), *map(markdown_line, rows)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -292,12 +289,18 @@ def world_of_one() -> None:
     init_distributed(ParallelConfig(), seed=1234)
 
 
-def cuda_ms(step: Callable[[], None], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``step`` in ms, measured with CUDA events after ``warmup`` runs."""
+def median_ms(step: Callable[[], None], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``step`` in ms after ``warmup`` runs: by CUDA events on a GPU, by the host's
+    clock without one (the CPU tests of the check's rows)."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(repeats):
+        if not torch.cuda.is_available():
+            started = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - started) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
@@ -357,17 +360,16 @@ def fla_peer() -> Callable | None:
     return run
 
 
-def lightning_inputs(batch: int, seq_len: int, heads: int, head_dim: int, seed: int = 0):
+def lightning_inputs(batch: int, seq_len: int, heads: int, head_dim: int, device: str = "cuda", seed: int = 0):
     """q, k, v (fp64) scaled like silu(projection) outputs, an output gradient, and M1's decay rates
     of layer 0 (fp32, as the mixer passes them)."""
     from megacispo.models.lightning import lightning_decay_rates
 
-    generator = torch.Generator(device="cuda").manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     shape = (batch, seq_len, heads, head_dim)
-    q, k, v = (0.1 * torch.randn(shape, generator=generator, device="cuda", dtype=torch.float64) for _ in range(3))
-    grad_out = torch.randn(shape, generator=generator, device="cuda", dtype=torch.float64)
-    decay = lightning_decay_rates(heads, layer_idx=0, num_layers=80).to("cuda", torch.float32)
-    return q, k, v, grad_out, decay
+    q, k, v, grad_out = (torch.randn(shape, generator=generator, dtype=torch.float64).to(device) for _ in range(4))
+    decay = lightning_decay_rates(heads, layer_idx=0, num_layers=80).to(device, torch.float32)
+    return 0.1 * q, 0.1 * k, 0.1 * v, grad_out, decay
 
 
 def forward_backward(fn, q, k, v, grad_out, decay, dtype, cu_seqlens=None):
@@ -390,37 +392,25 @@ def lightning_checks(args: argparse.Namespace, report: Report) -> None:
             1, tokens, torch.tensor([0, tokens // 4, tokens // 4 + 1, tokens], device="cuda", dtype=torch.int32)
         ),
     }
-    note = "vs torch block-wise fp64 on the same rounded inputs, relative to the largest reference value"
     for case, (batch, seq_len, cu_seqlens) in cases.items():
         with report.check("lightning error", case):
-            q, k, v, grad_out, decay = lightning_inputs(batch, seq_len, heads, head_dim)
+            inputs = lightning_inputs(batch, seq_len, heads, head_dim)
             for dtype in (torch.float32, torch.bfloat16):
-                # The reference sees the inputs rounded to the candidate's dtype: the error is the kernel's.
-                rounded = [x.to(dtype).double() for x in (q, k, v, grad_out)]
-                reference = forward_backward(torch_blockwise, *rounded, decay, torch.float64, cu_seqlens)
-
-                def errors(fn) -> dict[str, float]:
-                    result = forward_backward(fn, *rounded, decay, dtype, cu_seqlens)
-                    return dict(zip(("out", "dq", "dk", "dv"), map(relative_error, result, reference)))
-
                 label = f"{str(dtype).removeprefix('torch.')}, {case}"
-                report.add(error_row("lightning error", f"triton {label}", errors(triton_kernel),
-                                     LIGHTNING_BOUND[dtype], note=note))
+                reference = lightning_reference(inputs, dtype, cu_seqlens)
+                report.add(lightning_error_row(triton_kernel, f"triton {label}", inputs, dtype, reference, cu_seqlens))
                 for name, fn in peers.items():
-                    report.add(peer_row("lightning error", f"{name} {label}", lambda: Row(
-                        "", "", error=", ".join(f"{key} {value:.1e}" for key, value in errors(fn).items()),
-                        note=f"{note}; a peer, unbounded")))
+                    report.add(peer_row("lightning error", f"{name} {label}", lambda: lightning_error_row(
+                        fn, "", inputs, dtype, reference, cu_seqlens)))
 
     seq_len = args.speed_tokens
-    q, k, v, grad_out, decay = lightning_inputs(1, seq_len, heads, head_dim)
+    inputs = lightning_inputs(1, seq_len, heads, head_dim)
     case = f"fp32, 1 x {seq_len} x {heads} heads x {head_dim}"
-    for name, fn in {"torch block-wise": torch_blockwise, "triton": triton_kernel, **peers}.items():
-        timed = lambda: lightning_speed_row(fn, q, k, v, grad_out, decay)  # noqa: E731
-        if name in peers:
-            report.add(peer_row("lightning speed", f"{name} {case}", timed))
-        else:
-            with report.check("lightning speed", f"{name} {case}"):
-                report.add(replace(timed(), check="lightning speed", case=f"{name} {case}"))
+    with report.check("lightning speed", f"triton {case}"):
+        report.add(lightning_speed_row(triton_kernel, torch_blockwise, f"triton {case}", inputs))
+    for name, fn in peers.items():
+        report.add(peer_row("lightning speed", f"{name} {case}",
+                            lambda: lightning_speed_row(fn, torch_blockwise, "", inputs)))
     from megacispo.models import lightning_triton
 
     with report.check("triton kernels", "registers"):
@@ -428,38 +418,72 @@ def lightning_checks(args: argparse.Namespace, report: Report) -> None:
             report.add(row)
 
 
+def lightning_reference(inputs, dtype: torch.dtype, cu_seqlens=None) -> list[torch.Tensor]:
+    """out, dq, dk, dv of the torch block-wise implementation in fp64 on the inputs rounded to ``dtype``
+    (so that an error against it is the candidate's, not the rounding of its inputs)."""
+    q, k, v, grad_out, decay = inputs
+    rounded = [x.to(dtype).double() for x in (q, k, v, grad_out)]
+    return forward_backward(torch_blockwise, *rounded, decay, torch.float64, cu_seqlens)
+
+
+def lightning_error_row(fn, case: str, inputs, dtype: torch.dtype, reference: list[torch.Tensor],
+                        cu_seqlens=None) -> Row:
+    """``fn``'s output and input gradients in ``dtype`` against ``reference`` (lightning_reference):
+    relative errors within LIGHTNING_BOUND."""
+    q, k, v, grad_out, decay = inputs
+    rounded = [x.to(dtype).double() for x in (q, k, v, grad_out)]
+    result = forward_backward(fn, *rounded, decay, dtype, cu_seqlens)
+    errors = dict(zip(("out", "dq", "dk", "dv"), map(relative_error, result, reference)))
+    return error_row("lightning error", case, errors, LIGHTNING_BOUND[dtype],
+                     note="vs torch block-wise fp64 on the same rounded inputs, relative to the largest reference "
+                          "value")
+
+
 def peer_row(check: str, case: str, measure: Callable[[], Row]) -> Row:
-    """``measure``'s row for a peer implementation (fla): what it raises is the row's note, not a failure."""
+    """``measure``'s row for a peer implementation (fla), for comparison: never failed by a bound, and
+    what it raises is the row's note."""
     try:
         row = measure()
     except Exception as error:  # noqa: BLE001 - a peer's failure is reported, it is not ours
-        return Row(check, case, note=f"the peer raised {type(error).__name__}: {str(error)[:120]}")
-    return replace(row, check=check, case=case)
+        return Row(check, case, bound=PEER, note=f"the peer raised {type(error).__name__}: {str(error)[:120]}")
+    return replace(row, check=check, case=case, bound=PEER, failure="")
 
 
-def lightning_speed_row(fn, q, k, v, grad_out, decay) -> Row:
-    """Forward and forward + backward time of ``fn`` in fp32."""
+PEER = "none: a peer"
+
+
+def lightning_speed_row(fn, reference_fn, case: str, inputs) -> Row:
+    """Forward + backward time of ``fn`` in fp32 beside ``reference_fn``'s (the torch block-wise path,
+    which fn replaces on a GPU): fn must not be slower."""
+    q, k, v, grad_out, decay = inputs
     leaves = [x.float().requires_grad_(True) for x in (q, k, v)]
     grad = grad_out.float()
+
+    def step_of(implementation) -> Callable[[], None]:
+        def step():
+            for leaf in leaves:
+                leaf.grad = None
+            implementation(*leaves, decay).backward(grad)
+
+        return step
 
     def forward():
         with torch.no_grad():
             fn(*leaves, decay)
 
-    def forward_backward_step():
-        for leaf in leaves:
-            leaf.grad = None
-        fn(*leaves, decay).backward(grad)
-
-    forward_ms = cuda_ms(forward, repeats=5)
-    step_ms = cuda_ms(forward_backward_step, repeats=5)
-    return Row("", "", time=f"fwd {forward_ms:.2f}, fwd+bwd {step_ms:.2f}",
-               throughput=f"{q.shape[1] / step_ms / 1e3:.2f} Mtok/s fwd+bwd")
+    step_ms, reference_ms = median_ms(step_of(fn), repeats=5), median_ms(step_of(reference_fn), repeats=5)
+    forward_ms = median_ms(forward, repeats=5)
+    failure = "" if step_ms <= reference_ms else f"fwd+bwd {step_ms:.2f} ms > torch block-wise {reference_ms:.2f} ms"
+    return Row("lightning speed", case, value=f"fwd+bwd {step_ms:.2f} ms (torch block-wise {reference_ms:.2f} ms)",
+               bound="<= torch block-wise", failure=failure,
+               note=f"fwd {forward_ms:.2f} ms; {q.shape[1] / step_ms / 1e3:.2f} Mtok/s fwd+bwd")
 
 
 def triton_kernel_rows(*kernels) -> list[Row]:
     """Registers per thread and spills of every compiled variant of ``kernels`` (Triton's
-    compiled-kernel metadata, read from the kernels' caches after the rows before ran them)."""
+    compiled-kernel metadata, read from the kernels' caches after the rows before ran them): no spill,
+    at most 255 registers (the same bounds tests/unit/test_triton_aot.py holds the ahead-of-time
+    compiles to)."""
     rows = []
     for kernel in kernels:
         for device, (compiled_kernels, *_) in kernel.device_caches.items():
@@ -469,9 +493,13 @@ def triton_kernel_rows(*kernels) -> list[Row]:
                 constants = {names[index[0]]: value for index, value in compiled.src.constants.items()
                              if len(index) == 1 and names[index[0]].isupper()}
                 variant = " ".join(f"{name}={value}" for name, value in sorted(constants.items()))
-                rows.append(Row("triton kernels", f"{compiled.name} {variant}", note=(
-                    f"{compiled.n_regs} registers per thread, {compiled.n_spills} spilled, "
-                    f"{compiled.metadata.num_warps} warps, {compiled.metadata.shared} B shared memory, GPU {device}")))
+                failures = [f"{compiled.n_spills} spilled > 0"] if compiled.n_spills else []
+                failures += [f"{compiled.n_regs} registers > 255"] if compiled.n_regs > 255 else []
+                rows.append(Row("triton kernels", f"{compiled.name} {variant}",
+                                value=f"{compiled.n_regs} registers, {compiled.n_spills} spilled",
+                                bound="0 spilled, <= 255 registers", failure="; ".join(failures),
+                                note=f"{compiled.metadata.num_warps} warps, {compiled.metadata.shared} B shared "
+                                     f"memory, GPU {device}"))
     return rows
 
 
@@ -617,8 +645,9 @@ def train_row(case: str, result: TrainResult, throughput: str, note: str,
         bound += f"; |fp8 - bf16| <= {FP8_LOSS_BOUND:g}"
         if over := over_bound({"max |fp8 - bf16 loss|": worst}, FP8_LOSS_BOUND):
             failures.append(over)
-    return Row("train step small", case, error=error, bound=bound, time=f"{result.step_ms:.1f}", throughput=throughput,
-               memory=f"{result.peak_gib:.2f} GiB", note=note, failure="; ".join(failures))
+    measured = f"{result.step_ms:.1f} ms per step, {throughput}, peak {result.peak_gib:.2f} GiB"
+    return Row("train step small", case, value=error, bound=bound, note="; ".join(filter(None, (measured, note))),
+               failure="; ".join(failures))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +660,7 @@ def measured(step: Callable[[], None]) -> tuple[float, float]:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    step_ms = cuda_ms(step, repeats=5)
+    step_ms = median_ms(step, repeats=5)
     return step_ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
@@ -664,10 +693,9 @@ def loss_checks(args: argparse.Namespace, report: Report) -> None:
         ours_ms, ours_gib = measured(ours)
         torch_ms, torch_gib = measured(torch_fp32)
         report.add(error_row("vocab-parallel loss", f"vocab_parallel_logprobs, {num_tokens} x {vocab} fp32 logits",
-                             dict(zip(("logp", "grad"), errors)), LM_HEAD_BOUND, time=f"{ours_ms:.2f}",
-                             memory=f"{ours_gib:.2f} GiB",
-                             note=f"vs fp64 log_softmax; torch fp32 log_softmax: {torch_ms:.2f} ms, "
-                                  f"{torch_gib:.2f} GiB"))
+                             dict(zip(("logp", "grad"), errors)), LM_HEAD_BOUND,
+                             note=f"{ours_ms:.2f} ms, {ours_gib:.2f} GiB; vs fp64 log_softmax; torch fp32 "
+                                  f"log_softmax: {torch_ms:.2f} ms, {torch_gib:.2f} GiB"))
         logits = None  # frees the GPU memory; the timed closures above are done with it
 
     with report.check("vocab-parallel loss", "fused LM head"):
@@ -695,9 +723,8 @@ def loss_checks(args: argparse.Namespace, report: Report) -> None:
         unfused_ms, unfused_gib = measured(unfused)
         report.add(error_row("vocab-parallel loss", f"lm_head_logprobs (fused), {num_tokens} tokens, H {hidden_size}",
                              dict(zip(("logp", "grad hidden", "grad weight"), errors)), LM_HEAD_BOUND,
-                             time=f"{fused_ms:.2f}", memory=f"{fused_gib:.2f} GiB",
-                             note=f"vs fp64; unfused logits + vocab_parallel_logprobs: {unfused_ms:.2f} ms, "
-                                  f"{unfused_gib:.2f} GiB"))
+                             note=f"{fused_ms:.2f} ms, {fused_gib:.2f} GiB; vs fp64; unfused logits + "
+                                  f"vocab_parallel_logprobs: {unfused_ms:.2f} ms, {unfused_gib:.2f} GiB"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -709,6 +736,10 @@ DECODE_PROMPT_TOKENS = 64
 # Two generate calls of these many new tokens: their difference is decode steps alone, prefill and
 # set-up cancel out (every sample runs to its limit: no stop ids).
 DECODE_SHORT, DECODE_LONG = 16, 64
+# Kernels of one eager decode step: the lean step's at most 30 a layer in bf16 (benchmarks/decode_ops.py
+# counts them on the CPU), and the embedding, the LM head and the sampler's draw besides.
+DECODE_KERNELS_PER_LAYER = 30
+DECODE_KERNELS_OUTSIDE_LAYERS = 100
 # The lean decode step and Megatron's modules round differently in bf16 (norms, residuals, the routing
 # weights): their log-probs of the same tokens differ by a few bf16 roundings.
 DECODE_PATHS_BOUND = 0.05
@@ -758,10 +789,13 @@ def decode_checks(args: argparse.Namespace, report: Report) -> None:
         model = HybridModel(config, transformer_config(config, ParallelConfig(), precision=precision)).cuda()
         with report.check("decode paths", f"small, {name}, bf16"):
             report.add(decode_paths_row(model, prompts, f"small, {name}, bf16"))
+        eager = None
         for compiled in (False, True):
             case = f"small, {name}, {DECODE_SLOTS} slots, bf16, compile_decode {'on' if compiled else 'off'}"
             with report.check("decode", case):
-                report.add(decode_row(model, prompts, compiled, case))
+                measured = decode_steps(model, prompts, compiled)
+                report.add(decode_row(case, measured, config.num_layers, eager))
+                eager = eager or measured
         del model
         torch.cuda.empty_cache()
 
@@ -807,7 +841,8 @@ def expert_kernels_row(kernels, dtype: torch.dtype, device: str, case: str, *, t
                     note=f"{tokens} tokens, top-{topk}, {local} of {num_experts} experts local, hidden {hidden}, "
                          f"FFN {ffn}")
     if timed:
-        row.time = ", ".join(f"{name} {cuda_ms(kernel, repeats=20):.3f} (torch {cuda_ms(composite, repeats=20):.3f})"
+        row.note += "; ms: " + ", ".join(f"{name} {median_ms(kernel, repeats=20):.3f} (torch "
+                                         f"{median_ms(composite, repeats=20):.3f})"
                              for name, (kernel, composite) in calls.items())
     return row
 
@@ -837,14 +872,24 @@ def decode_paths_row(model, prompts: list[list[int]], case: str, steps: int = DE
                 gap = max(gap, (lean_logprobs - megatron_logprobs).abs().max().item())
         finally:
             model.lean_decode = True
-    return Row("decode paths", case, error=f"max |lean - megatron log-prob| {gap:.1e}",
+    return Row("decode paths", case, value=f"max |lean - megatron log-prob| {gap:.1e}",
                bound=f"<= {DECODE_PATHS_BOUND:g}", failure=over_bound({"log-prob gap": gap}, DECODE_PATHS_BOUND),
                note=f"{steps} teacher-forced decode steps of {len(prompts)} rows after a "
                     f"{len(prompts[0])}-token prefill")
 
 
-def decode_row(model, prompts: list[list[int]], compiled: bool, case: str) -> Row:
-    """Decode tokens/s, CUDA kernels and host syncs per decode step of ``generate``."""
+@dataclass
+class DecodeSteps:
+    """What ``generate``'s decode steps cost, per step: the difference of two calls of DECODE_SHORT and
+    DECODE_LONG new tokens over their DECODE_LONG - DECODE_SHORT steps (prefill and set-up cancel out)."""
+
+    slots: int
+    step_ms: float
+    kernels: float  # CUDA kernels (torch.profiler)
+    host_syncs: float  # torch.cuda.set_sync_debug_mode("warn")'s warnings
+
+
+def decode_steps(model, prompts: list[list[int]], compiled: bool) -> DecodeSteps:
     from megacispo.rollout.config import RolloutConfig
     from megacispo.rollout.generate import generate, sample_keys
 
@@ -863,13 +908,33 @@ def decode_row(model, prompts: list[list[int]], compiled: bool, case: str) -> Ro
         torch.cuda.synchronize()
         seconds[name] = time.perf_counter() - started
     steps = DECODE_LONG - DECODE_SHORT
-    step_s = (seconds["long"] - seconds["short"]) / steps
-    kernels = (cuda_kernels(long) - cuda_kernels(short)) / steps
-    syncs = (host_syncs(long) - host_syncs(short)) / steps
-    return Row("decode", case, time=f"{step_s * 1e3:.2f} per step",
-               throughput=f"{len(prompts) / step_s:,.0f} decode tok/s",
-               note=f"{kernels:.1f} CUDA kernels and {syncs:.2f} host syncs per decode step, over {steps} steps "
-                    f"(prompts of {DECODE_PROMPT_TOKENS} tokens)")
+    return DecodeSteps(len(prompts), (seconds["long"] - seconds["short"]) / steps * 1e3,
+                       (cuda_kernels(long) - cuda_kernels(short)) / steps,
+                       (host_syncs(long) - host_syncs(short)) / steps)
+
+
+def decode_row(case: str, measured: DecodeSteps, layers: int, eager: DecodeSteps | None = None) -> Row:
+    """Decode tokens/s, CUDA kernels and host syncs per decode step, each bounded: kernels within
+    DECODE_KERNELS_PER_LAYER a layer plus DECODE_KERNELS_OUTSIDE_LAYERS, the host syncs of one look
+    every rollout.host_check_every steps, and (``eager``: the same model's eager steps) the compiled
+    step no slower than the eager one."""
+    from megacispo.rollout.config import RolloutConfig
+
+    kernel_bound = DECODE_KERNELS_PER_LAYER * layers + DECODE_KERNELS_OUTSIDE_LAYERS
+    sync_bound = 1 / RolloutConfig().steps_between_looks(on_gpu=True)
+    failures = [f"{measured.kernels:.1f} kernels > {kernel_bound}"] if not measured.kernels <= kernel_bound else []
+    if not measured.host_syncs <= sync_bound:
+        failures.append(f"{measured.host_syncs:.2f} host syncs > {sync_bound:g}")
+    bound = f"kernels <= {kernel_bound}, host syncs <= {sync_bound:g} per step"
+    if eager is not None:
+        bound += ", ms <= eager's"
+        if not measured.step_ms <= eager.step_ms:
+            failures.append(f"{measured.step_ms:.2f} ms per step > eager's {eager.step_ms:.2f}")
+    return Row("decode", case, bound=bound, failure="; ".join(failures),
+               value=f"{measured.step_ms:.2f} ms, {measured.kernels:.1f} kernels, {measured.host_syncs:.2f} host syncs "
+                     "per step",
+               note=f"{measured.slots / measured.step_ms * 1e3:,.0f} decode tok/s; over {DECODE_LONG - DECODE_SHORT} "
+                    f"steps, prompts of {DECODE_PROMPT_TOKENS} tokens")
 
 
 def cuda_kernels(step: Callable[[], None]) -> int:
@@ -1355,21 +1420,32 @@ def score_stage(run: DriverRun) -> str:
     return f"log-prob sum {sum(logprobs):.2f} over {len(logprobs)} tokens of {len(scored)} sequences"
 
 
-# (stage, what it runs, the stage whose output it needs)
-DRIVER_STAGES: tuple[tuple[str, Callable[[DriverRun], str], str | None], ...] = (
-    ("sft", sft_stage, None),
-    ("rl", rl_stage, "sft"),
-    ("padded", padded_stage, "rl"),
-    ("cp", cp_stage, "rl"),
-    ("bf16-rollout", bf16_rollout_stage, "rl"),
-    ("fp8", fp8_stage, "rl"),
-    ("tp2-ep2", tp_ep_stage, "rl"),
-    ("rollout-ranks", rollout_ranks_stage, "rl"),
-    ("save", save_stage, "rl"),
-    ("resume", resume_stage, "save"),
-    ("score", score_stage, "save"),
+@dataclass(frozen=True)
+class Stage:
+    """A driver stage: what it runs, the stage whose output it needs, and what it holds its run to."""
+
+    name: str
+    action: Callable[[DriverRun], str]
+    needs: str | None
+    bound: str
+
+
+SAME_AS_RL = "rl's samples; policy loss, entropy, gap and grad norm as rl's step 1 (fp32 1e-3, bf16 5e-2)"
+DRIVER_STAGES: tuple[Stage, ...] = (
+    Stage("sft", sft_stage, None, "finite losses; the loss falls"),
+    Stage("rl", rl_stage, "sft", "finite policy loss and reward each step; held-out accuracy reported"),
+    Stage("padded", padded_stage, "rl", SAME_AS_RL),
+    Stage("cp", cp_stage, "rl", SAME_AS_RL),
+    Stage("bf16-rollout", bf16_rollout_stage, "rl", f"finite; |old - rollout logp| <= {BF16_ROLLOUT_GAP:g}"),
+    Stage("fp8", fp8_stage, "rl", f"finite; gap <= {FP8_ROLLOUT_GAP:g}; on rl's samples |loss - rl's| <= "
+                                  f"{FP8_LOSS_BOUND:g}"),
+    Stage("tp2-ep2", tp_ep_stage, "rl", SAME_AS_RL),
+    Stage("rollout-ranks", rollout_ranks_stage, "rl", "a weight sync each step; gap <= 2 x rl's + tolerance"),
+    Stage("save", save_stage, "rl", "a complete checkpoint of the last step, optimizer included, in the run's dtype"),
+    Stage("resume", resume_stage, "save", "resumes after the checkpoint's step and saves the next"),
+    Stage("score", score_stage, "save", "a finite log-prob <= 0 per next token"),
 )
-LEAF_STAGES = tuple(stage for stage, _, _ in DRIVER_STAGES if stage not in {needs for _, _, needs in DRIVER_STAGES})
+LEAF_STAGES = tuple(stage.name for stage in DRIVER_STAGES if stage.name not in {other.needs for other in DRIVER_STAGES})
 
 
 def driver_checks(args: argparse.Namespace, report: Report) -> None:
@@ -1383,7 +1459,7 @@ def driver_checks(args: argparse.Namespace, report: Report) -> None:
         prepared.append(inputs)
         return summary
 
-    if report.run_stage("data + tokenizer", "-", prepare):
+    if report.run_stage("data + tokenizer", "-", "the quick start's tools make them", prepare):
         gpus = torch.cuda.device_count() if device == "cuda" else 0
         for dtype in args.driver_dtype:
             run = DriverRun(prepared[0], dtype, child_env(device), args.stage_timeout, gpus, args.fp8_recipe,
@@ -1391,7 +1467,7 @@ def driver_checks(args: argparse.Namespace, report: Report) -> None:
             run_driver_stages(run, report, args.skip_stage)
     if args.run_dir:
         print(f"driver runs kept in {root}", file=sys.stderr)
-    elif not all(row.passed for row in report.stages):
+    elif any(row.failure for row in report.rows if row.check == "driver"):
         print(f"driver runs kept for inspection in {root}", file=sys.stderr)
     else:
         shutil.rmtree(root, ignore_errors=True)
@@ -1399,13 +1475,14 @@ def driver_checks(args: argparse.Namespace, report: Report) -> None:
 
 def run_driver_stages(run: DriverRun, report: Report, skipped: Iterable[str] = ()) -> None:
     passed: set[str] = set()
-    for stage, action, needs in DRIVER_STAGES:
-        if stage in skipped:
-            report.add_stage(StageRow(stage, run.dtype, 0.0, "skipped: --skip-stage", passed=True, skipped=True))
-        elif needs is not None and needs not in passed:
-            report.add_stage(StageRow(stage, run.dtype, 0.0, f"not run: it needs {needs}", passed=False))
-        elif report.run_stage(stage, run.dtype, lambda: action(run)):
-            passed.add(stage)
+    for stage in DRIVER_STAGES:
+        if stage.name in skipped:
+            report.add(stage_row(stage.name, run.dtype, stage.bound, "skipped: --skip-stage", skipped=True))
+        elif stage.needs is not None and stage.needs not in passed:
+            report.add(stage_row(stage.name, run.dtype, stage.bound, f"not run: it needs {stage.needs}",
+                                 failure=f"not run: it needs {stage.needs}"))
+        elif report.run_stage(stage.name, run.dtype, stage.bound, lambda: stage.action(run)):
+            passed.add(stage.name)
 
 
 SECTIONS = {"lightning": lightning_checks, "train": train_checks, "loss": loss_checks, "decode": decode_checks,
@@ -1430,12 +1507,11 @@ def main(argv: list[str] | None = None) -> int:
         title = f"# GPU check's CPU twin: the driver on the CPU (gloo, torch {torch.__version__})"
     else:
         title = f"# GPU check on {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    print(f"{title}, {time.perf_counter() - started:.0f} s\n")
-    if report.rows:
-        print(report.table() + "\n")
-    if report.stages:
-        print(f"driver stages (torchrun, 1 process; cp: {CP_SIZE}, tp2-ep2: 2 or 4, rollout-ranks: 2; tiny model):\n")
-        print(report.stage_table())
+    failed = sum(bool(row.failure) for row in report.rows)
+    print(f"{title}, {time.perf_counter() - started:.0f} s: {len(report.rows)} rows, {failed} failed\n")
+    print(report.table())
+    if any(row.check == "driver" for row in report.rows):
+        print(f"\ndriver: torchrun of the tiny model, 1 process (cp: {CP_SIZE}, tp2-ep2: 2 or 4, rollout-ranks: 2)")
     return 1 if report.failed else 0
 
 

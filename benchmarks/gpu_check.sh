@@ -7,10 +7,9 @@
 # padded rows and at context parallelism 2, a step with bf16 rollouts through the compiled decode
 # step, the RL steps in FP8 (with transformer-engine), the multi-GPU block (TP 2 + EP 2, a rollout
 # process with weight sync; with two or more GPUs visible), checkpoint save, --resume, score.
-# Bounded rows fail on wrong numbers (the row shows the value and its bound), every row on an error.
-# Prints a table per part, one row per driver stage; exit status 1 if a check failed, 2 without a
-# CUDA GPU, 124 past the time limit (the check stops starting parts 20 s before it, so its tables
-# still print).
+# One table, a row per check (check | case | value | bound | status | note): a row fails on a value
+# over its bound, or on an error. Exit status 1 if a row failed, 2 without a CUDA GPU, 124 past the
+# time limit (the check stops starting parts 20 s before it, so its table still prints).
 #
 #   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --fp8-recipe delayed --skip train]
 #   bash benchmarks/gpu_check.sh --cpu [--driver-dtype float32]

@@ -17,7 +17,7 @@ weighted sum with the residual. Here they are three kernels, with each row read 
 They round where the composites round (silu's output, the routing weights to the tokens' dtype), so
 a bf16 step gives the composites' numbers. On a machine without CUDA they run in Triton's interpreter
 when TRITON_INTERPRET=1 is set before this module is imported (tests); the kernels use only Triton's
-builtins, as models/lightning_triton.py explains.
+builtins, as models/lightning_triton.py explains, which also says what meta tensors do.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _check_runtime(tensor: torch.Tensor) -> None:
             "the decode step's expert kernels need the triton package (it comes with CUDA builds of torch); "
             "on a CPU the ops run their composites (models/experts.py)"
         )
-    if not INTERPRETED and not tensor.is_cuda:
+    if not INTERPRETED and tensor.device.type == "cpu":
         raise RuntimeError(
             f"the decode step's expert kernels run Triton and need a CUDA GPU, got a tensor on {tensor.device}; "
             "on a CPU call the ops (torch.ops.megacispo.*), which run their composites, or for tests set "

@@ -21,7 +21,9 @@ Two kernels do all the work:
   instead of (k, v), the same recurrence gives the gradient w.r.t. the state leaving each block.
 * `_block_output_kernel` is the per-block formula for o_i above, with every block independent
   (grid blocks x heads x column tiles). The backward of a causal decayed product is an anti-causal
-  one, so the same kernel also gives grad q, grad k and grad v (see _LightningTritonFunction).
+  one, so the same kernel also gives grad q, grad k and grad v (see _LightningTritonFunction). Its
+  two products over the d features (the scores q k^T and the state's q S_in) accumulate a slice
+  of the features at a time, so no program holds all d of q and k in registers.
 
 Backward recomputes the per-block states rather than saving them: they are [blocks, h, d, d] fp32,
 more than q, k and v together at B = 64, d = 128. All products accumulate in fp32 (see _dot); with
@@ -32,7 +34,9 @@ Packed sequences (cu_seqlens) run natively: the kernels read document offsets fr
 batch of b equal-length rows is the packed case with b documents of length n.
 
 On a machine without CUDA the kernels run in Triton's interpreter when TRITON_INTERPRET=1 is set
-before this module is imported (tests); otherwise calling lightning_attention_triton raises.
+before this module is imported (tests); otherwise calling lightning_attention_triton on CPU
+tensors raises. On meta tensors the launches happen with shapes alone: the ahead-of-time compile
+(megacispo.testing.triton_aot) records them and compiles each for sm_90 and sm_80.
 
 Shapes: T tokens of all documents together, h heads, d head dim, G blocks of all documents,
 B block size, D documents.
@@ -41,6 +45,7 @@ B block size, D documents.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -58,27 +63,29 @@ __all__ = ["INTERPRETED", "lightning_attention_triton"]
 # Without triton the kernels below stay plain (never called) functions, so this module still imports.
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
-# Largest state / column tile one program handles; tiles and blocks are powers of two >= 16 because
-# tl.dot needs every dimension >= 16 on the GPU.
-_MAX_TILE = 64
+# Tiles and blocks are powers of two >= 16: tl.dot needs every dimension >= 16 on the GPU. The sizes
+# keep every kernel free of register spills on sm_90 and sm_80 at d = 128 in fp32 (three TF32
+# products per dot) and bf16, with 8 warps; docs/reports/benchmarks.md has their registers.
 _MIN_DOT_DIM = 16
-# 8 warps keep the d = 128 bf16 kernels within 255 registers per thread on sm_90 (4 spill).
+_SCAN_TILE = 32  # the state's rows and columns per program
+_OUTPUT_TILE = 32  # output columns per program
+_FEATURES = 16  # features per step of the block-output kernel's products
 _NUM_WARPS = 8
 
 
 @_jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b accumulated in fp32. bf16 operands use bf16 tensor cores; fp32 operands use three TF32
-    products (tf32x3, about fp32 accuracy): plain TF32 would miss the 1e-4 parity with the fp32
-    reference, and IEEE fp32 falls back to FMA loops that spill heavily.
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b, accumulated in fp32 (acc None: a @ b). bf16 operands use bf16 tensor cores; fp32
+    operands use three TF32 products (tf32x3, about fp32 accuracy): plain TF32 would miss the 1e-4
+    parity with the fp32 reference, and IEEE fp32 falls back to FMA loops that spill heavily.
 
     UPCAST is for Triton's interpreter, which cannot multiply bf16 (it holds the bits as uint16): the
     same bf16-rounded operands go in as fp32, whose products are exact, as on bf16 tensor cores.
     """
     if UPCAST:
-        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
     else:
-        result = tl.dot(a, b, input_precision="tf32x3")
+        result = tl.dot(a, b, acc, input_precision="tf32x3")
     return result
 
 
@@ -155,8 +162,8 @@ def _state_scan_kernel(
             # Rows past L hold zero keys; the clamp only keeps their factor finite.
             row_decay = tl.exp(-rate * tl.maximum(length - 1 - rows, 0).to(tl.float32))
         decayed_x = (x * row_decay[:, None]).to(x.dtype)  # [B, TILE_X]
-        block_update = _dot(tl.trans(decayed_x), y, UPCAST_DOTS)  # [TILE_X, TILE_Y] fp32
-        state = tl.exp(-rate * length.to(tl.float32)) * state + block_update
+        # [TILE_X, TILE_Y] fp32: the state decayed over the block, plus the block's keys and values.
+        state = _dot(tl.trans(decayed_x), y, tl.exp(-rate * length.to(tl.float32)) * state, UPCAST_DOTS)
 
     tl.store(final_ptr + doc.to(tl.int64) * state_stride + tile_offsets, state, mask=tile_mask)
 
@@ -179,6 +186,7 @@ def _block_output_kernel(
     BLOCK: tl.constexpr,  # B
     HEAD_DIM: tl.constexpr,  # d padded to a power of two >= 16
     TILE: tl.constexpr,  # output columns per program
+    FEATURES: tl.constexpr,  # features of a and b (rows of the state) per step of the products
     ANTI_CAUSAL: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,  # see _dot
 ):
@@ -188,7 +196,9 @@ def _block_output_kernel(
         ANTI_CAUSAL:  out_i = sum_(j >= i) exp(-s (j - i)) (a_i . b_j) c_j + exp(-s (L - 1 - i)) a_i state
 
     The causal form with (a, b, c, state) = (q, k, v, S_in) is the block's output; the others are its
-    gradients (see _LightningTritonFunction.backward).
+    gradients (see _LightningTritonFunction.backward). The scores a b^T and the state's product
+    a state both sum over the d features: they accumulate FEATURES at a time, so a program holds a
+    [B, FEATURES] slice of a and b, not all d of them.
     """
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -199,35 +209,39 @@ def _block_output_kernel(
     rate = tl.load(rates_ptr + head)
 
     rows = tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
     cols = tile * TILE + tl.arange(0, TILE)
     row_mask = rows < length
     token_offsets = (start + rows).to(tl.int64)[:, None] * (num_heads * head_dim) + head * head_dim
-    feature_mask = row_mask[:, None] & (dims[None, :] < head_dim)
-    a = tl.load(a_ptr + token_offsets + dims[None, :], mask=feature_mask, other=0.0)  # [B, HEAD_DIM]
-    b = tl.load(b_ptr + token_offsets + dims[None, :], mask=feature_mask, other=0.0)  # [B, HEAD_DIM]
-    out_mask = row_mask[:, None] & (cols[None, :] < head_dim)
-    c = tl.load(c_ptr + token_offsets + cols[None, :], mask=out_mask, other=0.0)  # [B, TILE]
     state_offsets = (block.to(tl.int64) * num_heads + head) * head_dim * head_dim
-    state = tl.load(
-        states_ptr + state_offsets + dims[:, None] * state_row_stride + cols[None, :] * state_col_stride,
-        mask=(dims[:, None] < head_dim) & (cols[None, :] < head_dim),
-        other=0.0,
-    )  # [HEAD_DIM, TILE] fp32
-
-    # Left product: decayed scores over the block, zero on the far side of the diagonal.
-    lag = rows[:, None] - rows[None, :]  # i - j
-    if ANTI_CAUSAL:
-        lag = -lag
-    scores = _dot(a, tl.trans(b), UPCAST_DOTS)  # [B, B] fp32
-    scores = tl.where(lag >= 0, scores * tl.exp(-rate * tl.maximum(lag, 0).to(tl.float32)), 0.0)
     # Right product: how far row i is from the state (the block's start, or its end if anti-causal).
     if ANTI_CAUSAL:
         row_decay = tl.exp(-rate * tl.maximum(length - 1 - rows, 0).to(tl.float32))
     else:
         row_decay = tl.exp(-rate * (rows + 1).to(tl.float32))
-    out = _dot(scores.to(c.dtype), c, UPCAST_DOTS)
-    out += _dot((a * row_decay[:, None]).to(a.dtype), state.to(a.dtype), UPCAST_DOTS)
+
+    scores = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
+    carried = tl.full([BLOCK, TILE], 0.0, tl.float32)  # the right product
+    for first in range(0, HEAD_DIM, FEATURES):
+        features = first + tl.arange(0, FEATURES)
+        feature_mask = row_mask[:, None] & (features[None, :] < head_dim)
+        a = tl.load(a_ptr + token_offsets + features[None, :], mask=feature_mask, other=0.0)  # [B, FEATURES]
+        b = tl.load(b_ptr + token_offsets + features[None, :], mask=feature_mask, other=0.0)  # [B, FEATURES]
+        state = tl.load(
+            states_ptr + state_offsets + features[:, None] * state_row_stride + cols[None, :] * state_col_stride,
+            mask=(features[:, None] < head_dim) & (cols[None, :] < head_dim),
+            other=0.0,
+        )  # [FEATURES, TILE] fp32
+        scores = _dot(a, tl.trans(b), scores, UPCAST_DOTS)
+        carried = _dot((a * row_decay[:, None]).to(a.dtype), state.to(a.dtype), carried, UPCAST_DOTS)
+
+    # Left product: decayed scores over the block, zero on the far side of the diagonal.
+    lag = rows[:, None] - rows[None, :]  # i - j
+    if ANTI_CAUSAL:
+        lag = -lag
+    scores = tl.where(lag >= 0, scores * tl.exp(-rate * tl.maximum(lag, 0).to(tl.float32)), 0.0)
+    out_mask = row_mask[:, None] & (cols[None, :] < head_dim)
+    c = tl.load(c_ptr + token_offsets + cols[None, :], mask=out_mask, other=0.0)  # [B, TILE]
+    out = _dot(scores.to(c.dtype), c, carried, UPCAST_DOTS)
     tl.store(out_ptr + token_offsets + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -278,7 +292,7 @@ def _check_runtime(q: torch.Tensor) -> None:
             "lightning_attention_triton needs the triton package (it comes with CUDA builds of torch); "
             "on a CPU use megacispo.models.lightning.lightning_attention"
         )
-    if not INTERPRETED and not q.is_cuda:
+    if not INTERPRETED and q.device.type == "cpu":
         raise RuntimeError(
             f"lightning_attention_triton runs Triton kernels and needs a CUDA GPU, got q on {q.device}; "
             "on a CPU use megacispo.models.lightning.lightning_attention, or for tests set TRITON_INTERPRET=1 "
@@ -304,18 +318,19 @@ class _DocumentBlocks:
     @functools.lru_cache(maxsize=64)
     def build(doc_lengths: tuple[int, ...], block_size: int, device: torch.device) -> _DocumentBlocks:
         """Cached: every lightning layer of a model step sees the same document lengths. Built on the
-        host from the Python lengths, then moved to ``device`` once."""
-        lengths = torch.tensor(doc_lengths, dtype=torch.int64, device="cpu")
-        blocks_per_doc = (lengths + block_size - 1) // block_size
-        zero = torch.zeros(1, dtype=torch.int64, device="cpu")
+        host from the Python lengths (no tensor read back), then moved to ``device`` once."""
+        blocks_per_doc = [-(-length // block_size) for length in doc_lengths]
+        block_docs = [doc for doc, count in enumerate(blocks_per_doc) for _ in range(count)]
+
+        def table(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
         return _DocumentBlocks(
             block_size=block_size,
-            num_blocks=int(blocks_per_doc.sum()),
-            cu_seqlens=torch.cat([zero, lengths.cumsum(0)]).to(device=device, dtype=torch.int32),
-            cu_blocks=torch.cat([zero, blocks_per_doc.cumsum(0)]).to(device=device, dtype=torch.int32),
-            block_docs=torch.repeat_interleave(torch.arange(len(doc_lengths), device="cpu"), blocks_per_doc).to(
-                device=device, dtype=torch.int32
-            ),
+            num_blocks=len(block_docs),
+            cu_seqlens=table([0, *itertools.accumulate(doc_lengths)]),
+            cu_blocks=table([0, *itertools.accumulate(blocks_per_doc)]),
+            block_docs=table(block_docs),
         )
 
 
@@ -337,7 +352,7 @@ def _scan_states(
     """
     _, num_heads, head_dim = x.shape
     padded = _padded_head_dim(head_dim)
-    tile = min(padded, _MAX_TILE)
+    tile = min(padded, _SCAN_TILE)
     block_states = x.new_empty(blocks.num_blocks, num_heads, head_dim, head_dim, dtype=torch.float32)
     final = x.new_empty(blocks.num_docs, num_heads, head_dim, head_dim, dtype=torch.float32)
     grid = (blocks.num_docs, num_heads, (padded // tile) ** 2)
@@ -365,14 +380,15 @@ def _block_outputs(
     """Run _block_output_kernel: a, b, c [T, h, d], states [G, h, d, d] fp32 -> [T, h, d] in a's dtype."""
     _, num_heads, head_dim = a.shape
     padded = _padded_head_dim(head_dim)
-    tile = min(padded, _MAX_TILE)
+    tile = min(padded, _OUTPUT_TILE)
     out = torch.empty_like(a)
     row_stride, col_stride = (1, head_dim) if transpose_states else (head_dim, 1)
     grid = (blocks.num_blocks, num_heads, padded // tile)
     _block_output_kernel[grid](
         a, b, c, states, out, rates, blocks.cu_seqlens, blocks.cu_blocks, blocks.block_docs,
         num_heads, head_dim, row_stride, col_stride,
-        BLOCK=blocks.block_size, HEAD_DIM=padded, TILE=tile, ANTI_CAUSAL=anti_causal, UPCAST_DOTS=INTERPRETED,
+        BLOCK=blocks.block_size, HEAD_DIM=padded, TILE=tile, FEATURES=min(padded, _FEATURES), ANTI_CAUSAL=anti_causal,
+        UPCAST_DOTS=INTERPRETED,
         num_warps=_NUM_WARPS,
     )  # fmt: skip
     return out

@@ -618,10 +618,8 @@ class HybridModel(LanguageModule):
                 "rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
-            options = {"guard_filter_fn": _lean_step_guards}
-            if self.lm_head_weight.is_cuda:
-                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
-            self._compiled_lean = torch.compile(self._lean_stage, options=options)
+            self._compiled_lean = torch.compile(self._lean_stage,
+                                                options=lean_compile_options(self.lm_head_weight.device))
         return self._compiled_lean
 
     def _lean_step_applies(self, cache: InferenceCache) -> bool:
@@ -687,6 +685,15 @@ def _check_left_padded(attention_mask: torch.Tensor) -> None:
         )
     if not bool(attention_mask.any(dim=1).all()):
         raise ValueError("attention_mask has a row without real tokens: every prompt needs at least one token.")
+
+
+def lean_compile_options(device: torch.device) -> dict:
+    """torch.compile's options for the lean decode step on ``device``: on CUDA its graphs run as CUDA
+    graphs (inductor's cudagraph trees, what mode="reduce-overhead" sets)."""
+    options = {"guard_filter_fn": _lean_step_guards}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True
+    return options
 
 
 def _lean_step_guards(guards) -> list[bool]:

@@ -17,7 +17,7 @@ rows take the same paths.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -207,13 +207,13 @@ def attend_documents(
 
     - CPU: one SDPA call per document (``_documents_one_by_one``), exact; memory and work
       sum(L_i^2). It reads cu_seqlens on the host, which costs nothing there, and checks it.
-    - CUDA, fp16 / bf16, flash-attn installed: its varlen kernel (``_documents_flash_varlen``),
-      memory linear in T, GQA without repeating K and V. No host sync when ``max_seqlen`` is given
+    - CUDA, fp16 / bf16: torch's variable-length flash attention (``_documents_varlen``), memory
+      linear in T, GQA without repeating K and V. No host sync when ``max_seqlen`` is given
       (PackedSeqParams.max_seqlen_q); one to find it otherwise.
-    - CUDA otherwise: SDPA's memory-efficient kernel under a block-diagonal causal mask built from
-      document ids (``_documents_masked``), no host sync and no loop. Exact, but the mask is T^2
-      bytes of bool (plus the kernel's T^2 bias in q's dtype: 3 GiB at T = 32k in bf16), K and V are
-      repeated to all heads, and the work is T^2 / 2 instead of sum(L_i^2) / 2.
+    - CUDA, fp32 (no flash kernel takes it): SDPA's memory-efficient kernel under a block-diagonal
+      causal mask built from document ids (``_documents_masked``), no host sync and no loop. Exact,
+      but the mask is T^2 bytes of bool, plus the kernel's T^2 bias in fp32 (5 GiB together at T =
+      32k), K and V are repeated to all heads, and the work is T^2 / 2 instead of sum(L_i^2) / 2.
     """
     if q.shape[0] != 1:
         raise ValueError(
@@ -222,8 +222,8 @@ def attend_documents(
         )
     if not q.is_cuda:
         return _documents_one_by_one(q, k, v, cu_seqlens, scale)
-    if q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_installed():
-        return _documents_flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return _documents_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
     return _documents_masked(q, k, v, cu_seqlens, scale)
 
 
@@ -255,25 +255,33 @@ def _documents_masked(
     return masked_attention(q, k, v, mask, scale)
 
 
-def _documents_flash_varlen(
+def _documents_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None, scale: float
 ) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
+    from torch.nn.attention.varlen import varlen_attn
 
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int(torch.diff(cu_seqlens).max())  # the caller did not say: one host sync
-    # flash-attn's THD layout [T, heads, d]; GQA when heads is a multiple of kv heads.
-    out = flash_attn_varlen_func(
-        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens, cu_seqlens,
-        max_seqlen, max_seqlen, softmax_scale=scale, causal=True,
-    )
-    return out.transpose(0, 1)[None]
+    # The flash kernel's layout: tokens, heads, d ([T, heads, d]); GQA when heads is a multiple of kv heads.
+    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (q, k, v))
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                      **_varlen_causal_gqa(q.shape[1] != k.shape[1]))
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 @functools.cache
-def _flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+def _varlen_causal_gqa(gqa: bool) -> dict:
+    """varlen_attn's keywords for causal attention (and GQA) in this torch, whose API has changed across
+    releases: ``is_causal`` in the first, a ``window_size`` of (-1, 0) since; ``enable_gqa`` where it
+    exists (without it, the flash kernel takes fewer KV heads as they come)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    parameters = inspect.signature(varlen_attn).parameters
+    keywords = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    if gqa and "enable_gqa" in parameters:
+        keywords["enable_gqa"] = True
+    return keywords
 
 
 def _padded_causal_mask(key_valid: torch.Tensor, query_len: int) -> torch.Tensor:

@@ -56,7 +56,7 @@ def masked_attention(
     groups = q.shape[1] // k.shape[1]
     if q.is_cuda and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 Piece = tuple[slice, slice, bool]

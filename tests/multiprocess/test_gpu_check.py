@@ -14,8 +14,11 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,10 +68,10 @@ def _run(tmp_path: Path, dtype: str, gpus: int, budget_s: float = 0.0):
 def test_the_multi_gpu_stages_are_skipped_on_one_gpu_and_fail_nothing(tmp_path, stage, action, reason):
     run = _run(tmp_path, "bfloat16", gpus=1)
     report = gpu_check.Report()
-    assert not report.run_stage(stage, run.dtype, lambda: getattr(gpu_check, action)(run))
-    assert [(row.status, row.result) for row in report.stages] == [("skip", f"skipped: {reason}")]
+    assert not report.run_stage(stage, run.dtype, "a bound", lambda: getattr(gpu_check, action)(run))
+    assert [(row.status, row.value) for row in report.rows] == [("skip", f"skipped: {reason}")]
     assert not report.failed and not (tmp_path / "bfloat16").exists()
-    assert f"| {stage} | bfloat16 |" in report.stage_table() and report.stage_table().endswith("| skip |")
+    assert f"| driver | {stage} (bfloat16) | skipped: {reason} | a bound | skip |" in report.table()
 
 
 def test_fp8_is_skipped_without_transformer_engine(tmp_path):
@@ -76,9 +79,9 @@ def test_fp8_is_skipped_without_transformer_engine(tmp_path):
         pytest.skip("transformer-engine is installed here: the stage would run")
     report = gpu_check.Report()
     run = _run(tmp_path, "bfloat16", gpus=1)
-    assert not report.run_stage("fp8", run.dtype, lambda: gpu_check.fp8_stage(run))
-    (row,) = report.stages
-    assert row.status == "skip" and "transformer-engine" in row.result and not report.failed
+    assert not report.run_stage("fp8", run.dtype, "a bound", lambda: gpu_check.fp8_stage(run))
+    (row,) = report.rows
+    assert row.status == "skip" and "transformer-engine" in row.value and not report.failed
 
 
 def test_past_the_budget_no_stage_starts(tmp_path):
@@ -96,9 +99,10 @@ def test_a_row_over_its_bound_fails_with_the_value_and_the_bound():
     assert [row.status for row in report.rows] == ["FAIL", "pass", "FAIL"] and report.failed
     assert report.rows[0].failure == "dq 2.50e-04 > 0.0001"
     assert report.rows[2].failure == "logp nan > 1e-05"
-    line = report.table().splitlines()[2]
-    assert line.startswith("| lightning error | triton float32 | out 3.0e-05, dq 2.5e-04 | <= 0.0001 |")
-    assert "| FAIL | FAILED: dq 2.50e-04 > 0.0001 |" in line
+    lines = report.table().splitlines()
+    assert lines[0] == "| check | case | value | bound | status | note |"
+    assert lines[2] == "| lightning error | triton float32 | out 3.0e-05, dq 2.5e-04 | <= 0.0001 | FAIL | " \
+                       "FAILED: dq 2.50e-04 > 0.0001 |"
 
 
 def test_a_row_within_its_bounds_passes():
@@ -132,9 +136,11 @@ def test_a_peer_that_raises_is_a_note_not_a_failure():
 
     report = gpu_check.Report()
     report.add(gpu_check.peer_row("lightning error", "fla chunk_simple_gla", raises))
-    (row,) = report.rows
-    assert row.status == "pass" and not report.failed
-    assert row.note == "the peer raised RuntimeError: fla: no kernel for this GPU"
+    report.add(gpu_check.peer_row("lightning error", "fla over the bound", lambda: gpu_check.error_row(
+        "lightning error", "", {"out": 1.0}, 1e-4)))
+    assert [row.status for row in report.rows] == ["pass", "pass"] and not report.failed
+    assert report.rows[0].note == "the peer raised RuntimeError: fla: no kernel for this GPU"
+    assert [row.bound for row in report.rows] == [gpu_check.PEER] * 2 and report.rows[1].value == "out 1.0e+00"
 
 
 def _steps(**per_key: tuple[float, ...]) -> dict[str, dict[int, float]]:
@@ -192,7 +198,7 @@ def _decode_paths_rows(planted_offset: float) -> list[tuple[str, str, str]]:
         row = gpu_check.decode_paths_row(model, prompts, "tiny, twin TE experts", steps=4)
     finally:
         HybridDecoderLayer.step = step
-    return row.status, row.error, row.failure
+    return row.status, row.value, row.failure
 
 
 def test_the_decode_paths_row_fails_a_lean_step_that_departs_from_megatrons_modules():
@@ -233,6 +239,61 @@ def test_the_expert_kernels_row_passes_the_kernels_and_fails_a_wrong_one():
         finally:
             setattr(kernels, name, interpreted[name])
         assert bad.status == "FAIL" and bad.failure.endswith(f" > {gpu_check.EXPERT_KERNELS_BOUND[dtype]:g}"), bad
+
+
+def _interpreted_lightning():
+    """lightning_attention_triton in Triton's interpreter, as gpu_check's rows call a kernel."""
+    from megacispo.testing.triton_modules import load_kernels_module
+
+    kernels = load_kernels_module("megacispo.models.lightning_triton", interpret=True, name="_gpu_check_lightning")
+    return lambda q, k, v, decay, cu_seqlens=None: kernels.lightning_attention_triton(q, k, v, decay,
+                                                                                      cu_seqlens=cu_seqlens)[0]
+
+
+def test_the_lightning_error_row_passes_the_kernel_and_fails_a_wrong_one():
+    """The lightning error row on the CPU, the kernel in Triton's interpreter (fp32, packed documents of
+    odd lengths), within its bound; the same kernel with its output off by 1% over it."""
+    kernel = _interpreted_lightning()
+    inputs = gpu_check.lightning_inputs(1, 37, 2, 16, device="cpu")
+    cu_seqlens = torch.tensor([0, 5, 6, 37], dtype=torch.int32)
+    reference = gpu_check.lightning_reference(inputs, torch.float32, cu_seqlens)
+    good = gpu_check.lightning_error_row(kernel, "interpreted", inputs, torch.float32, reference, cu_seqlens)
+    assert good.status == "pass" and good.bound == "<= 0.0001", good
+    bad = gpu_check.lightning_error_row(lambda *args: 1.01 * kernel(*args), "planted", inputs, torch.float32,
+                                        reference, cu_seqlens)
+    assert bad.status == "FAIL" and bad.failure.startswith("out 1.00e-02 > 0.0001"), bad
+
+
+def test_a_kernel_slower_than_the_torch_path_it_replaces_fails_its_speed_row():
+    inputs = gpu_check.lightning_inputs(1, 64, 2, 16, device="cpu")
+
+    def slower(*args):
+        time.sleep(0.05)
+        return gpu_check.torch_blockwise(*args)
+
+    fast = gpu_check.lightning_speed_row(gpu_check.torch_blockwise, slower, "faster", inputs)
+    slow = gpu_check.lightning_speed_row(slower, gpu_check.torch_blockwise, "planted", inputs)
+    assert fast.status == "pass" and fast.bound == "<= torch block-wise", fast
+    assert slow.status == "FAIL" and re.fullmatch(r"fwd\+bwd \d+\.\d\d ms > torch block-wise \d+\.\d\d ms",
+                                                  slow.failure), slow
+
+
+def test_a_decode_row_fails_on_too_many_kernels_or_syncs_or_a_compiled_step_slower_than_eager():
+    eager = gpu_check.DecodeSteps(slots=16, step_ms=4.0, kernels=250.0, host_syncs=0.25)
+    kernel_bound = 8 * gpu_check.DECODE_KERNELS_PER_LAYER + gpu_check.DECODE_KERNELS_OUTSIDE_LAYERS
+    rows = {
+        "eager": gpu_check.decode_row("eager", eager, layers=8),
+        "compiled": gpu_check.decode_row("compiled", replace(eager, step_ms=1.5, kernels=180.0), 8, eager),
+        "slow": gpu_check.decode_row("slow", replace(eager, step_ms=4.5), 8, eager),
+        "kernels": gpu_check.decode_row("kernels", replace(eager, kernels=kernel_bound + 0.5), 8),
+        "syncs": gpu_check.decode_row("syncs", replace(eager, host_syncs=1.0), 8),
+    }
+    assert {name: row.status for name, row in rows.items()} == {
+        "eager": "pass", "compiled": "pass", "slow": "FAIL", "kernels": "FAIL", "syncs": "FAIL"}
+    assert rows["slow"].failure == "4.50 ms per step > eager's 4.00"
+    assert rows["kernels"].failure == f"{kernel_bound + 0.5:.1f} kernels > {kernel_bound}"
+    assert rows["syncs"].failure == "1.00 host syncs > 0.25"
+    assert rows["compiled"].bound == f"kernels <= {kernel_bound}, host syncs <= 0.25 per step, ms <= eager's"
 
 
 def test_without_cuda_the_gpu_check_stops_at_once_with_one_line():

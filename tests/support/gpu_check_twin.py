@@ -1,18 +1,19 @@
-"""The GPU check's CPU twin (``benchmarks/gpu_check.sh --cpu``) run from the tests, and its driver
-table read back (tests/multiprocess/test_gpu_check.py, tests/slow/test_gpu_check.py); the check's
+"""The GPU check's CPU twin (``benchmarks/gpu_check.sh --cpu``) run from the tests, and its table's
+driver rows read back (tests/multiprocess/test_gpu_check.py, tests/slow/test_gpu_check.py); the check's
 script imported to test its parts in-process."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[2]
-TABLE_HEADER = "| stage | dtype | s | result | status |"
+TABLE_HEADER = "| check | case | value | bound | status | note |"
 DRIVER_STAGES = ["sft", "rl", "padded", "cp", "bf16-rollout", "fp8", "tp2-ep2", "rollout-ranks", "save", "resume",
                  "score"]
 
@@ -35,8 +36,8 @@ def cpu_twin(run_dir: Path, dtype: str, *extra: str) -> subprocess.CompletedProc
     )
 
 
-def stage_rows(stdout: str) -> list[dict[str, str]]:
-    """The driver table's rows as {column: cell}."""
+def table_rows(stdout: str) -> list[dict[str, str]]:
+    """The check's table's rows as {column: cell}."""
     lines = stdout.splitlines()
     assert TABLE_HEADER in lines, stdout
     columns = [cell.strip() for cell in TABLE_HEADER.strip("|").split("|")]
@@ -45,7 +46,19 @@ def stage_rows(stdout: str) -> list[dict[str, str]]:
     for line in body:
         if not line.startswith("| "):
             break
-        rows.append(dict(zip(columns, (cell.strip() for cell in line.strip("|").split(" | ")))))
+        # A "|" inside a cell is written "\|".
+        cells = (cell.strip().replace("\\|", "|") for cell in line.strip("|").split(" | "))
+        rows.append(dict(zip(columns, cells)))
+    return rows
+
+
+def stage_rows(stdout: str) -> list[dict[str, str]]:
+    """The driver's rows (check "driver", case "<stage> (<dtype>)") as {stage, dtype, result, status}."""
+    rows = []
+    for row in table_rows(stdout):
+        if row["check"] == "driver":
+            stage, dtype = re.fullmatch(r"(.+) \((.+)\)", row["case"]).groups()
+            rows.append({"stage": stage, "dtype": dtype, "result": row["value"], "status": row["status"]})
     return rows
 
 

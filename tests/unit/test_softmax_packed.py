@@ -1,6 +1,6 @@
 """Softmax attention over packed rows (models.softmax_attention.attend_documents) against attention
 computed document by document from its definition, in fp64: the CPU path, and the masked path that
-CUDA takes without flash-attn, run here on the CPU. Odd lengths, a one-token document, GQA, and the
+CUDA takes in fp32, run here on the CPU. Odd lengths, a one-token document, GQA, and the
 trailing padding document that packing adds."""
 
 from __future__ import annotations
