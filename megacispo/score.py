@@ -159,7 +159,7 @@ def run(argv: list[str] | None = None) -> None:
     # After the dry run, which imports no Megatron-Core: scoring does.
     from megacispo.evaluation.scoring import score
 
-    init_distributed(parallel, seed=0)
+    init_distributed(parallel, seed=0, fp32_matmul=config.precision.fp32_matmul)
     try:
         with bad_input_exits(CheckpointError):  # raised on every rank alike
             score(args.load, args.out, model, parallel, records, params_dtype)

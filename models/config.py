@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megacispo.parallel.layout import ModelShape, ParallelConfig, run_device
+from megacispo.parallel.layout import FP32_MATMUL_PRECISIONS, ModelShape, ParallelConfig, run_device
 
 LIGHTNING = "L"
 SOFTMAX = "S"
@@ -275,6 +275,9 @@ class PrecisionConfig:
     use_transformer_engine: bool = False
     """Build the projections and experts from Transformer Engine layers even without FP8 (FP8 always
     does)."""
+    fp32_matmul: str = "ieee"
+    """How fp32 matrix products run on GPUs (fp32 weights, the fp32 LM head, the routers): ieee (full fp32,
+    what the fp32 LM head is there for) or tf32 (tensor cores, a 10-bit mantissa); set on every rank."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -284,6 +287,11 @@ class PrecisionConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(
                 f"precision.params_dtype = {self.params_dtype!r}: choose one of {', '.join(PARAMS_DTYPES)}."
+            )
+        if self.fp32_matmul not in FP32_MATMUL_PRECISIONS:
+            raise ValueError(
+                f"precision.fp32_matmul = {self.fp32_matmul!r}: choose one of {', '.join(FP32_MATMUL_PRECISIONS)} "
+                f"(ieee: full fp32; tf32: tensor cores, faster and less precise)."
             )
         if self.fp8 is None:
             return

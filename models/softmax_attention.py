@@ -115,7 +115,7 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         elif attention_mask is not None:
             out = self._attend(q, k, v, _padded_causal_mask(attention_mask.bool(), seq_len))
         else:
-            out = self._attend(q, k, v, mask=None)
+            out = self._attend(q, k, v, None)
         out = out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
         out, _ = self.o_proj(out)
         return out
@@ -171,14 +171,14 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         seq_len, batch = projected.shape[:2]
         return projected.view(seq_len, batch, num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, causal: bool = True
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [b, heads, s, d], k and v [b, kv heads, T, d]; mask [b, 1, s, T] bool (or an additive bias
-        in q's dtype), or None: causal (s = T) with ``causal``, else every query sees every key."""
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.head_dim**-0.5, enable_gqa=True
-        )
+        in q's dtype), or None: causal (s = T). A mask goes through ``masked_attention``: on CUDA a mask
+        with GQA would send SDPA to its math kernel, whose [b, heads, s, T] fp32 scores are 69 GB at
+        M1's 8 heads a rank and 32 rows of 8K-token prompts."""
+        if mask is not None:
+            return masked_attention(q, k, v, mask, self.head_dim**-0.5)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=True)
 
 
 def decode_attention(

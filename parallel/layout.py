@@ -175,13 +175,19 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(parallel: ParallelConfig, seed: int) -> torch.device:
+# precision.fp32_matmul -> torch.set_float32_matmul_precision's name for it.
+FP32_MATMUL_PRECISIONS = {"ieee": "highest", "tf32": "high"}
+
+
+def init_distributed(parallel: ParallelConfig, seed: int, fp32_matmul: str = "ieee") -> torch.device:
     """Start torch.distributed from torchrun's environment and Megatron-Core's model-parallel state;
     return the run's device (``run_device``). With CUDA: NCCL and the local GPU (LOCAL_RANK).
     Without: gloo and the CPU, after the CPU layer (``megacispo.parallel.cpu.enable``) has made
-    Megatron-Core run there. A plain ``python`` start runs as a world of one."""
+    Megatron-Core run there. A plain ``python`` start runs as a world of one. ``fp32_matmul``
+    (precision.fp32_matmul) sets how fp32 matrix products run in this process."""
     from megatron.core import parallel_state, tensor_parallel
 
+    torch.set_float32_matmul_precision(FP32_MATMUL_PRECISIONS[fp32_matmul])
     bind_missing_te_names()
     use_cuda = torch.cuda.is_available()
     if use_cuda:

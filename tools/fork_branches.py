@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(config)
         marker_id = marker_token(tokenizer, args.marker)
         records, _ = load_rl_prompt_file(config, tokenizer, "test_prompts")
-    init_distributed(config.parallel, config.train.seed)
+    init_distributed(config.parallel, config.train.seed, config.precision.fp32_matmul)
     with bad_input_exits(CheckpointError):
         model = load_model(config, source)
     measurement = measure_fork(model, tokenizer, config, records, marker_id)

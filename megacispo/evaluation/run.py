@@ -50,7 +50,7 @@ def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
 
 def run_eval(config: Config, source: WeightsSource, tokenizer: Tokenizer, records: list[PromptRecord]) -> None:
     """Evaluate ``source``'s weights on ``records`` under the config's layout."""
-    init_distributed(config.parallel, config.train.seed)
+    init_distributed(config.parallel, config.train.seed, config.precision.fp32_matmul)
     with bad_input_exits(CheckpointError):  # raised on every rank alike
         model = load_model(config, source)
     metrics = evaluate(config, model, tokenizer, records)

@@ -33,7 +33,7 @@ def run_rl(config: Config, start: RunStart, tokenizer: Tokenizer, train_records:
     if side is not None and side.is_rollout:
         run_rollout_process(config, tokenizer, side.bridge)
         return
-    init_distributed(config.parallel, config.train.seed)
+    init_distributed(config.parallel, config.train.seed, config.precision.fp32_matmul)
     with bad_input_exits(DirectoryInUse):  # raised on every rank alike
         run_dir_lock = _lock_run_dir(config)
     try:

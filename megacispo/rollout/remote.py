@@ -93,7 +93,7 @@ def run_rollout_process(config: Config, tokenizer, bridge: Bridge) -> None:
     StopRollouts."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     whole = ParallelConfig(distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
-    init_distributed(whole, config.train.seed)
+    init_distributed(whole, config.train.seed, config.precision.fp32_matmul)
     _serve(config, tokenizer, bridge, build_inference_model(config.model, config.precision.params_dtype, whole))
     destroy_distributed()
 

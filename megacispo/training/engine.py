@@ -27,7 +27,7 @@ from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig, transforme
 from megacispo.models.model import HybridModel
 from megacispo.parallel.layout import ParallelConfig, run_device
 from megacispo.parallel.vocab_parallel import lm_head_input, lm_head_logprobs
-from megacispo.training.packing import PackedRow, agreed_bins, pack_rows
+from megacispo.training.packing import PackedRow, agreed_bins, pack_rows, row_length_multiple
 
 
 def build_inference_model(
@@ -200,13 +200,8 @@ class Engine:
 
     @property
     def length_multiple(self) -> int:
-        """What every row's length is a multiple of (padding is masked out of every loss): context
-        parallelism splits each row into 2 x CP chunks, sequence parallelism each rank's share of it
-        over the TP ranks."""
-        parallel = self.config.parallel
-        tensor_parallel = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
-        chunks = 2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1
-        return tensor_parallel * chunks
+        """What every row's length is a multiple of (``row_length_multiple``)."""
+        return row_length_multiple(self.config.parallel, fp8=self.config.precision.fp8 is not None)
 
     def packed_rows(self, lengths: list[int], batch_width: int) -> list[PackedRow]:
         """The packed micro-batches of sequences of ``lengths`` (host ints) right-padded to ``batch_width``:

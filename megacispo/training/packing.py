@@ -2,7 +2,7 @@
 
 Right-padding every sequence of a step to its longest one makes most positions padding when the
 lengths are long-tailed (an RL step's responses vary by orders of magnitude). Packing puts several
-sequences into one row [1, W] with their boundaries (``cu_seqlens``, flash-attn's varlen layout), so
+sequences into one row [1, W] with their boundaries (``cu_seqlens``, flash attention's varlen layout), so
 the forward and backward run over real tokens only. It is exact: the lightning state resets at each
 boundary, softmax attention is causal within each sequence, RoPE positions restart per sequence
 (HybridModel.forward's packed_seq_params), and every per-token quantity of a packed row is that
@@ -24,6 +24,7 @@ writes together cover the row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,7 +33,25 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megacispo.parallel.context import zigzag_positions
+from megacispo.parallel.layout import ParallelConfig
 from megacispo.rl.losses import Sequences
+
+# Transformer Engine's FP8 GEMMs take [tokens, features] with tokens a multiple of 8 and features a
+# multiple of 16 (its Linear's check before an FP8 product); rows give each rank's GEMMs a multiple of 16.
+FP8_TOKEN_MULTIPLE = 16
+
+
+def row_length_multiple(parallel: ParallelConfig, fp8: bool) -> int:
+    """What every row's length is a multiple of (padding is masked out of every loss): context
+    parallelism splits each row into 2 x CP chunks, sequence parallelism each rank's share of it over
+    the TP ranks, and under FP8 each CP rank's share (the tokens of its GEMMs, gathered over TP) is a
+    multiple of FP8_TOKEN_MULTIPLE."""
+    tensor_parallel = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+    chunks = 2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1
+    multiple = tensor_parallel * chunks
+    if fp8:
+        multiple = math.lcm(multiple, FP8_TOKEN_MULTIPLE * parallel.context_parallel_size)
+    return multiple
 
 
 @dataclass(frozen=True)

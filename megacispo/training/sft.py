@@ -138,7 +138,7 @@ def run_sft(config: Config, tokenizer: Tokenizer, pairs: list[PromptRecord]) -> 
     sft = config.sft
     # Megatron-Core's checkpoint writer starts a Manager process that would outlive a killed rank.
     start_group_reaper()
-    init_distributed(config.parallel, config.train.seed)
+    init_distributed(config.parallel, config.train.seed, config.precision.fp32_matmul)
     engine = Engine(config, total_steps=sft.steps, peak_lr=sft.lr, decay_steps=sft.decay_steps)
     if sft.load:
         with bad_input_exits(CheckpointError):  # raised on every rank alike

@@ -263,3 +263,33 @@ def test_an_rl_step_at_cp2_samples_and_trains_as_one_process():
         assert torch.equal(result["tokens"][:, :width], single["tokens"])
         assert not result["tokens"][:, width:].any()
         _assert_same(single, {**result, "old_logprobs": result["old_logprobs"][:, :width - 1]}, "RL step at CP = 2")
+
+
+def _te_fp8_gemm_accepts(tokens: int, features: int) -> bool:
+    """Transformer Engine's rule for the input of an FP8 GEMM ([tokens, features]): tokens a multiple of 8
+    and features of 16 (its Linear's check before an FP8 product)."""
+    return tokens % 8 == 0 and features % 16 == 0
+
+
+@pytest.mark.parametrize("tp, sp, cp", [(1, False, 1), (2, True, 1), (4, True, 1), (8, True, 1), (2, False, 1),
+                                        (1, False, 2), (2, True, 2), (8, True, 4), (4, False, 3)])
+def test_fp8_rows_give_every_gemm_a_multiple_of_16_tokens(tp, sp, cp):
+    """Under precision.fp8, every packed or padded row width (any length, any bins) gives each CP rank a
+    multiple of 16 tokens (what its GEMMs see, gathered over TP), which TE's FP8 rule accepts; the
+    zigzag chunks and the sequence-parallel shards still divide it. Without FP8 the widths stay as small
+    as TP x 2 CP allows (a 7-token row at TP 2 + SP is 8 wide, not 16)."""
+    from megacispo.parallel.layout import ParallelConfig
+    from megacispo.training.packing import FP8_TOKEN_MULTIPLE, pack_rows, row_length_multiple
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp, context_parallel_size=cp)
+    multiple = row_length_multiple(parallel, fp8=True)
+    for length in range(1, 200):
+        padded = -(-length // multiple) * multiple
+        (row,) = pack_rows([length, 1], 2, 2 * length + 1, 1, multiple, torch.device("cpu"))
+        for width in (padded, row.width):
+            tokens = width // cp
+            assert width % cp == 0 and tokens % FP8_TOKEN_MULTIPLE == 0 and _te_fp8_gemm_accepts(tokens, 6144)
+            assert cp == 1 or width % (2 * cp) == 0
+            assert not sp or tokens % tp == 0
+    if (tp, sp, cp) == (2, True, 1):
+        assert row_length_multiple(parallel, fp8=False) == 2 and multiple == 16

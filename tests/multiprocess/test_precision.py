@@ -46,6 +46,7 @@ BF16_FP8 = ["precision.params_dtype=bfloat16", "precision.fp8=delayed"]
         ([*BF16_FP8, "precision.fp8_margin=-1"], "precision.fp8_margin = -1: it must be >= 0"),
         ([*BF16_FP8, "precision.fp8_amax_history_len=0"], "precision.fp8_amax_history_len = 0: it must be >= 1"),
         ([*BF16_FP8, "precision.fp8_amax_compute_algo=mean"], "precision.fp8_amax_compute_algo = 'mean'"),
+        (["precision.fp32_matmul=bf16"], "precision.fp32_matmul = 'bf16': choose one of ieee, tf32"),
         (["recompute.granularity=partial"], "recompute.granularity = 'partial': choose one of none, selective, full"),
         (["recompute.granularity=full", "recompute.method=chunked"], "recompute.method = 'chunked': choose one of"),
         (["recompute.granularity=full", "recompute.num_layers=2"],
@@ -79,6 +80,22 @@ def test_good_switches_load():
     defaults = run_config(None)
     assert defaults.precision.fp8 is None and not defaults.precision.transformer_engine
     assert defaults.precision.params_dtype == "float32" and defaults.recompute.granularity == "none"
+
+
+def _fp32_matmul_precision(fp32_matmul: str) -> str:
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(), seed=0, fp32_matmul=fp32_matmul)
+    return torch.get_float32_matmul_precision()
+
+
+def test_the_fp32_matmul_precision_is_set_at_start_up():
+    """precision.fp32_matmul reaches torch in every process (init_distributed), not left to its default."""
+    from megacispo.testing.harness import run_distributed
+
+    assert run_config(None).precision.fp32_matmul == "ieee"
+    assert run_distributed(_fp32_matmul_precision, 2, "tf32") == ["high", "high"]
+    assert run_distributed(_fp32_matmul_precision, 1, "ieee") == ["highest"]
 
 
 def _entry_point(*args: str) -> subprocess.CompletedProcess:

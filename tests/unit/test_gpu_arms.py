@@ -173,6 +173,25 @@ def test_masked_attention_on_cuda_repeats_kv_heads():
     assert sdpa_call("cpu") == (2, True)
 
 
+def test_prefill_and_extend_on_cuda_pass_no_mask_with_gqa_to_sdpa():
+    """The softmax layer's prefill and extend attend under a padding mask: on CUDA, SDPA gets the mask
+    with K and V repeated to every query head (its memory-efficient kernel), never a mask with GQA
+    (its math kernel: [b, heads, s, T] fp32 scores); an unmasked causal call keeps GQA (flash)."""
+    from types import SimpleNamespace
+
+    from megacispo.models.softmax_attention import SoftmaxAttention
+
+    layer = SimpleNamespace(head_dim=16)  # all that _attend reads of its layer
+    with fake_cuda(), _Calls() as calls:
+        q = torch.empty(3, 8, 5, 16, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.empty(3, 2, 9, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        SoftmaxAttention._attend(layer, q, k, v, torch.ones(3, 1, 5, 9, dtype=torch.bool, device="cuda"))
+        SoftmaxAttention._attend(layer, q, k.narrow(2, 0, 5), v.narrow(2, 0, 5), None)
+    masked, causal = [(args, kwargs) for func, args, kwargs in calls.calls if func is F.scaled_dot_product_attention]
+    assert masked[1]["attn_mask"] is not None and masked[0][1].shape[1] == 8 and not masked[1]["enable_gqa"]
+    assert causal[1].get("attn_mask") is None and causal[1]["is_causal"] and causal[1]["enable_gqa"]
+
+
 def test_decode_experts_on_cuda_take_grouped_products_in_bf16_only():
     """CUDA's grouped GEMM takes bf16 with rows of a multiple of 16 bytes (its shape function says so
     on fake CUDA tensors): bf16 steps go through it, fp32 and misaligned ones take the dense form."""
