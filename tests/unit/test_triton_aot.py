@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(lightning_triton.INTERPRETED, reason="TRITON_INT
 
 @pytest.fixture(scope="module")
 def rows() -> list[triton_aot.Row]:
-    """The whole check: about 30 s on 2 cores."""
+    """The whole check: about 12 s on 2 cores."""
     return triton_aot.check()
 
 
