@@ -4,7 +4,7 @@ One table, a row per check: what it measured (value), the bound it must keep, it
 FAIL, skip) and a note (what the row measured besides, and why it failed). Every row of this
 project's code has a bound; a row fails on an exception or a value over its bound (the note says
 which value is over which bound), and fails the exit status, not the rest of the check. Each row is
-printed to stderr as it finishes, and the table to stdout at the end.
+printed to stderr as it finishes (and appended to --rows-file), and the table to stdout at the end.
 
 1. lightning attention: the Triton kernel (models/lightning_triton.py, what models.lightning
    dispatches to on CUDA) against the block-wise torch implementation of models/lightning.py
@@ -175,13 +175,24 @@ class Report:
     from outside still leaves the rows it finished."""
 
     budget: Budget = field(default_factory=lambda: Budget(0))
+    rows_file: Path | None = None
+    """Where each row is also appended as it finishes (--rows-file), after the table's header."""
     rows: list[Row] = field(default_factory=list)
     failed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rows_file is not None:
+            self.rows_file.parent.mkdir(parents=True, exist_ok=True)
+            self.rows_file.write_text(markdown_table(TABLE_HEADER, []) + "\n")
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
         self.failed |= bool(row.failure)
-        print(markdown_line(row.cells()), file=sys.stderr, flush=True)
+        line = markdown_line(row.cells())
+        print(line, file=sys.stderr, flush=True)
+        if self.rows_file is not None:
+            with self.rows_file.open("a") as rows:
+                rows.write(line + "\n")
 
     @contextlib.contextmanager
     def check(self, check: str, case: str):
@@ -262,6 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip", action="append", default=[],
                         choices=("lightning", "train", "loss", "decode", "driver"),
                         help="leave out a section (repeatable)")
+    parser.add_argument("--rows-file", type=Path, default=None,
+                        help="also append each row to this markdown file as it finishes (the table's header first), "
+                             "so that a check stopped from outside leaves its rows (on a lent GPU: under $OUT)")
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="seconds the whole check may run: past them no section or driver stage starts and a "
                              "running stage is stopped, its row failed (0: no limit; gpu_check.sh: TIME_LIMIT_S - 20)")
@@ -1493,7 +1507,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.cpu:
         require_cuda()
-    report = Report(Budget(args.budget_s))
+    report = Report(Budget(args.budget_s), args.rows_file)
     started = time.perf_counter()
     chosen = ["driver"] if args.cpu else [name for name in SECTIONS if name not in args.skip]
     for name in chosen:

@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacispo.testing.gpu_check_twin import assert_every_stage_passed, cpu_twin, load_gpu_check, stage_rows
+from megacispo.testing.gpu_check_twin import (
+    TABLE_HEADER, assert_every_stage_passed, cpu_twin, load_gpu_check, stage_rows,
+)
 from megacispo.testing.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +45,13 @@ def test_cpu_twin_runs_every_driver_stage_in_fp32(tmp_path):
 
 
 def test_a_failed_stage_fails_its_row_the_rows_that_need_it_and_the_exit_status(tmp_path):
+    """... and every row is in --rows-file too, as the table prints it (written as each row finished)."""
     # No torchrun starts, imports and builds the model within a second: SFT times out.
-    result = cpu_twin(tmp_path, "float32", "--stage-timeout", "1")
+    rows_file = tmp_path / "out" / "rows.md"
+    result = cpu_twin(tmp_path, "float32", "--stage-timeout", "1", "--rows-file", str(rows_file))
     assert result.returncode == 1
+    table = result.stdout[result.stdout.index(TABLE_HEADER):].split("\n\n")[0]
+    assert rows_file.read_text() == table + "\n" and len(table.splitlines()) == 2 + 12
     statuses = {row["stage"]: (row["status"], row["result"]) for row in stage_rows(result.stdout)}
     assert statuses["data + tokenizer"][0] == "pass"
     assert statuses["sft"] == ("FAIL", f"timed out after 1 s (log: {tmp_path / 'float32' / 'logs' / 'sft.log'})")
