@@ -17,10 +17,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
-import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-CUDA = torch.device("cuda", 0)
 
 
 @functools.cache
