@@ -432,21 +432,23 @@ def lightning_checks(args: argparse.Namespace, report: Report) -> None:
             report.add(row)
 
 
+def rounded_inputs(inputs, dtype: torch.dtype) -> list[torch.Tensor]:
+    """q, k, v and the output gradient of ``inputs`` rounded to ``dtype`` (held in fp64), then the decay."""
+    *tensors, decay = inputs
+    return [x.to(dtype).double() for x in tensors] + [decay]
+
+
 def lightning_reference(inputs, dtype: torch.dtype, cu_seqlens=None) -> list[torch.Tensor]:
     """out, dq, dk, dv of the torch block-wise implementation in fp64 on the inputs rounded to ``dtype``
     (so that an error against it is the candidate's, not the rounding of its inputs)."""
-    q, k, v, grad_out, decay = inputs
-    rounded = [x.to(dtype).double() for x in (q, k, v, grad_out)]
-    return forward_backward(torch_blockwise, *rounded, decay, torch.float64, cu_seqlens)
+    return forward_backward(torch_blockwise, *rounded_inputs(inputs, dtype), torch.float64, cu_seqlens)
 
 
 def lightning_error_row(fn, case: str, inputs, dtype: torch.dtype, reference: list[torch.Tensor],
                         cu_seqlens=None) -> Row:
     """``fn``'s output and input gradients in ``dtype`` against ``reference`` (lightning_reference):
     relative errors within LIGHTNING_BOUND."""
-    q, k, v, grad_out, decay = inputs
-    rounded = [x.to(dtype).double() for x in (q, k, v, grad_out)]
-    result = forward_backward(fn, *rounded, decay, dtype, cu_seqlens)
+    result = forward_backward(fn, *rounded_inputs(inputs, dtype), dtype, cu_seqlens)
     errors = dict(zip(("out", "dq", "dk", "dv"), map(relative_error, result, reference)))
     return error_row("lightning error", case, errors, LIGHTNING_BOUND[dtype],
                      note="vs torch block-wise fp64 on the same rounded inputs, relative to the largest reference "
