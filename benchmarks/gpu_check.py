@@ -22,7 +22,7 @@ printed to stderr as it finishes (and appended to --rows-file), and the table to
    --fp8-recipe): tokens/s, MFU (training FLOPs from the model config over the GPU's dense bf16
    peak), peak memory, and the loss difference between FP8 and bf16 with the same TE layers after
    the same steps on the same data from the same weights. Each row's loss must fall over its
-   steps, and FP8's loss must stay within 0.05 of bf16's at every step. The TE rows need
+   steps, its MFU reach TRAIN_MFU_FLOOR, and FP8's loss must stay within 0.05 of bf16's at every step. The TE rows need
    transformer-engine.
 3. the vocab-parallel loss (parallel/vocab_parallel.py) against a full fp64 log-softmax: the
    log-probs and their gradient from a vocabulary shard of M1's size (V/TP = 200,064 / 8), the
@@ -35,10 +35,12 @@ printed to stderr as it finishes (and appended to --rows-file), and the table to
    Transformer Engine layers built for FP8 GEMMs (--fp8-recipe; needs transformer-engine), in bf16
    rollouts: the lean decode step against Megatron's modules, the log-probs of 16 teacher-forced
    steps' tokens within 0.05;
-   ``generate`` with rollout.compile_decode off and on, 16 slots: time per decode step, CUDA kernels
-   per decode step (torch.profiler) and host syncs per decode step
-   (torch.cuda.set_sync_debug_mode("warn")), each the difference of two generate calls of 16 and 64
-   tokens over their 48 decode steps (prefill excluded): at most 30 kernels a layer and 100 besides
+   ``generate`` with rollout.compile_decode on and off, fp32 rollouts from the same keys (local layers):
+   the same tokens; ``generate`` with rollout.compile_decode off and on, 16 slots: tokens/s as a
+   fraction of the card's roofline (the weights' bytes over its HBM bandwidth; at least
+   DECODE_ROOFLINE_FLOOR), time per decode step, CUDA kernels per decode step (torch.profiler) and host
+   syncs per decode step (torch.cuda.set_sync_debug_mode("warn")), each the difference of two generate
+   calls of 16 and 64 tokens over their 48 decode steps (prefill excluded): at most 30 kernels a layer and 100 besides
    (the embedding, the LM head, the draw), at most one host sync every rollout.host_check_every
    steps (4 on a GPU), and the compiled step no slower than the eager one.
 
@@ -71,7 +73,9 @@ call) and passes --budget-s 20 s below it; past the budget no section and no dri
 Aimed at: sections 1-4 about 3 minutes; the driver the rest, 19 torchrun launches at 2+ GPUs (13 on
 one) of about 15 s each where CUDA starts fast (on the CPU twin they take 7-18 s, the compiled bf16
 rollout 35 s). Not yet measured on a GPU: where the budget runs out, --driver-dtype bfloat16 halves
-the driver and --skip-stage leaves single stages out.
+the driver and --skip-stage leaves single stages out. On a lent GPU, whose loan is 15 minutes, the
+check runs in two calls of 400 s each (``PARTS``: --part 1 the kernels, decode and the bf16 driver,
+--part 2 the training step, the loss and the fp32 driver; gpu_check.sh --device).
 
 The CPU twin: the driver stages alone, on the CPU with gloo, fp32 and bf16 (CI runs its fp32
 half, tests/multiprocess/test_gpu_check.py; --driver-dtype float32 chooses it); the stages that
@@ -85,6 +89,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -109,8 +114,16 @@ import yaml
 
 from megacispo.metrics.logger import read_scalars
 
-# Dense bf16 tensor-core peak, TFLOP/s, of the GPUs this project targets (SXM parts).
+# Dense bf16 tensor-core peak, TFLOP/s, and HBM bandwidth, TB/s, of the GPUs this project targets (SXM
+# parts): the card's roofline, a training step's by its FLOPs and a decode step's by the bytes it reads.
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0}
+HBM_TBPS = {"H100": 3.35, "H200": 4.8, "H800": 3.35, "B200": 8.0}
+# The least fraction of the roofline a row must reach, set before a GPU ran this code: the small model's
+# steps are bound by kernel launches, not by the card (a training step of 0.6 TFLOP, a decode step reading
+# 59 MB: 0.6 ms and 18 us on an H100), so a healthy run reaches a few percent. The floors sit below that,
+# where a step fell off its path (a host sync per layer, a recompile per step, a math-kernel fallback).
+TRAIN_MFU_FLOOR = 0.005
+DECODE_ROOFLINE_FLOOR = {"eager": 0.001, "compiled": 0.005}
 REPO = Path(__file__).resolve().parent.parent
 DRIVER_DTYPES = ("float32", "bfloat16")
 
@@ -255,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="precision.fp8 of the FP8 training rows and of the driver's fp8 stage")
     train.add_argument("--peak-tflops", type=float, default=None,
                        help="dense bf16 peak of the GPU for MFU (default: known from the GPU's name)")
+    train.add_argument("--hbm-tbps", type=float, default=None,
+                       help="HBM bandwidth of the GPU, TB/s, for decode's roofline (default: known from its name)")
     loss = parser.add_argument_group("vocab-parallel loss")
     loss.add_argument("--loss-tokens", type=int, default=8192)
     loss.add_argument("--vocab-shard", type=int, default=25008, help="V/TP: MiniMax-M1's 200,064 over TP 8")
@@ -273,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip", action="append", default=[],
                         choices=("lightning", "train", "loss", "decode", "driver"),
                         help="leave out a section (repeatable)")
+    parser.add_argument("--part", type=int, choices=sorted(PARTS), default=None,
+                        help="one call's share of the check on a lent GPU: its sections and driver dtypes (PARTS)")
     parser.add_argument("--rows-file", type=Path, default=None,
                         help="also append each row to this markdown file as it finishes (the table's header first), "
                              "so that a check stopped from outside leaves its rows (on a lent GPU: under $OUT)")
@@ -280,6 +297,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds the whole check may run: past them no section or driver stage starts and a "
                              "running stage is stopped, its row failed (0: no limit; gpu_check.sh: TIME_LIMIT_S - 20)")
     args = parser.parse_args(argv)
+    if args.part is not None:
+        if args.skip or args.driver_dtype or args.cpu:
+            parser.error(f"--part {args.part} chooses the sections and the driver's dtypes: leave out --skip, "
+                         "--driver-dtype and --cpu, or run without --part")
+        part = PARTS[args.part]
+        args.skip = [name for name in SECTIONS if name not in part.sections]
+        args.driver_dtype = list(part.driver_dtypes)
     args.driver_dtype = args.driver_dtype or list(DRIVER_DTYPES)
     return args
 
@@ -549,11 +573,13 @@ def training_flops_per_token(model, seq_len: int) -> float:
     return 3.0 * forward
 
 
-def peak_tflops(args: argparse.Namespace) -> float | None:
-    if args.peak_tflops:
-        return args.peak_tflops
+def card_figure(figures: dict[str, float], given: float | None) -> float | None:
+    """The card's figure from ``figures`` (BF16_PEAK_TFLOPS, HBM_TBPS) by its name, unless ``given``;
+    None for a card the table does not know."""
+    if given:
+        return given
     name = torch.cuda.get_device_name()
-    return next((peak for gpu, peak in BF16_PEAK_TFLOPS.items() if gpu in name), None)
+    return next((figure for gpu, figure in figures.items() if gpu in name), None)
 
 
 @dataclass
@@ -621,12 +647,12 @@ def train_checks(args: argparse.Namespace, report: Report) -> None:
                              generator=generator) for _ in range(4)]
     tokens_per_step = args.micro_batch * args.seq_len
     flops = training_flops_per_token(model, args.seq_len)
-    peak = peak_tflops(args)
+    peak = card_figure(BF16_PEAK_TFLOPS, args.peak_tflops)
 
     def add(case: str, result: TrainResult, note: str, bf16_losses: list[float] | None = None) -> None:
         tokens_per_s = tokens_per_step / (result.step_ms / 1e3)
-        mfu = f", MFU {flops * tokens_per_s / (peak * 1e12):.1%}" if peak else ", MFU: pass --peak-tflops"
-        report.add(train_row(case, result, f"{tokens_per_s:,.0f} tok/s{mfu}", note, bf16_losses))
+        mfu = flops * tokens_per_s / (peak * 1e12) if peak else None
+        report.add(train_row(case, result, f"{tokens_per_s:,.0f} tok/s", note, bf16_losses, mfu))
 
     bf16 = ["precision.params_dtype=bfloat16"]
     with report.check("train step small", "bf16, local layers"):
@@ -648,12 +674,20 @@ def train_checks(args: argparse.Namespace, report: Report) -> None:
 
 
 def train_row(case: str, result: TrainResult, throughput: str, note: str,
-              bf16_losses: list[float] | None = None) -> Row:
-    """A training row: it fails if the loss did not fall over the steps, or, given the bf16 run's
-    losses (an FP8 row), if a step's loss is more than FP8_LOSS_BOUND from bf16's."""
+              bf16_losses: list[float] | None = None, mfu: float | None = None) -> Row:
+    """A training row: it fails if the loss did not fall over the steps, if its ``mfu`` (the fraction of
+    the card's bf16 peak its tokens/s reach; None: the card's peak is unknown) is under TRAIN_MFU_FLOOR,
+    or, given the bf16 run's losses (an FP8 row), if a step's loss is more than FP8_LOSS_BOUND from bf16's."""
     first, last = result.losses[0], result.losses[-1]
     error, bound = f"loss {first:.3f} -> {last:.3f}", "loss falls"
     failures = [] if last < first else [f"the loss did not fall: {first:.4f} -> {last:.4f}"]
+    bound += f"; MFU >= {TRAIN_MFU_FLOOR:.1%}"
+    if mfu is None:
+        error += "; MFU unknown (pass --peak-tflops)"
+    else:
+        error += f"; MFU {mfu:.2%}"
+        if not mfu >= TRAIN_MFU_FLOOR:
+            failures.append(f"MFU {mfu:.2%} < {TRAIN_MFU_FLOOR:.1%}")
     if bf16_losses is not None:
         gaps = [abs(a - b) for a, b in zip(result.losses, bf16_losses)]
         worst = max(gaps) if all(map(math.isfinite, gaps)) else math.nan
@@ -786,6 +820,7 @@ def decode_checks(args: argparse.Namespace, report: Report) -> None:
                                       experts_triton._combine_pairs_kernel):
             report.add(row)
     config = model_config("small")
+    hbm_tbps = card_figure(HBM_TBPS, args.hbm_tbps)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, config.vocab_size, (DECODE_SLOTS, DECODE_PROMPT_TOKENS), generator=generator).tolist()
     try:
@@ -805,11 +840,14 @@ def decode_checks(args: argparse.Namespace, report: Report) -> None:
         model = HybridModel(config, transformer_config(config, ParallelConfig(), precision=precision)).cuda()
         with report.check("decode paths", f"small, {name}, bf16"):
             report.add(decode_paths_row(model, prompts, f"small, {name}, bf16"))
+        if not precision.fp8:  # one model's fp32 compile is enough to hold the compiled step to the eager one
+            with report.check("decode tokens", f"small, {name}, fp32"):
+                report.add(compiled_tokens_row(model, prompts, f"small, {name}, fp32"))
         eager = None
         for compiled in (False, True):
             case = f"small, {name}, {DECODE_SLOTS} slots, bf16, compile_decode {'on' if compiled else 'off'}"
             with report.check("decode", case):
-                measured = decode_steps(model, prompts, compiled)
+                measured = decode_steps(model, prompts, compiled, decode_floor_ms(model, hbm_tbps))
                 report.add(decode_row(case, measured, config.num_layers, eager))
                 eager = eager or measured
         del model
@@ -894,6 +932,26 @@ def decode_paths_row(model, prompts: list[list[int]], case: str, steps: int = DE
                     f"{len(prompts[0])}-token prefill")
 
 
+def compiled_tokens_row(model, prompts: list[list[int]], case: str) -> Row:
+    """``generate`` with rollout.compile_decode on against off, fp32 rollouts of DECODE_SHORT tokens from
+    the same keys: every token the same (in fp32 a compiled step's roundings move no sample across a
+    draw's boundary; in bf16 they may, so bf16 is held to the log-probs of decode paths' row instead)."""
+    from megacispo.rollout.config import RolloutConfig
+    from megacispo.rollout.generate import generate, sample_keys
+
+    def tokens(compiled: bool) -> torch.Tensor:
+        rollout = RolloutConfig(max_new_tokens=DECODE_SHORT, temperature=1.0, dtype="float32",
+                                compile_decode=compiled)
+        keys = sample_keys((0,), range(len(prompts)), 1, device="cuda")
+        return generate(model, prompts, rollout, stop_ids=[], pad_id=0, keys=keys).tokens
+
+    eager, compiled = tokens(False), tokens(True)
+    differ = int((eager != compiled).sum())
+    return Row("decode tokens", case, value=f"{differ} of {eager.numel()} tokens differ", bound="compiled = eager",
+               failure=f"{differ} tokens differ" if differ else "",
+               note=f"{len(prompts)} rows, {DECODE_SHORT} new tokens each, compile_decode on vs off")
+
+
 @dataclass
 class DecodeSteps:
     """What ``generate``'s decode steps cost, per step: the difference of two calls of DECODE_SHORT and
@@ -903,9 +961,25 @@ class DecodeSteps:
     step_ms: float
     kernels: float  # CUDA kernels (torch.profiler)
     host_syncs: float  # torch.cuda.set_sync_debug_mode("warn")'s warnings
+    floor_ms: float | None = None
+    """The card's roofline for the step: the bytes of the weights it reads over the HBM bandwidth (None:
+    the card's bandwidth is unknown)."""
 
 
-def decode_steps(model, prompts: list[list[int]], compiled: bool) -> DecodeSteps:
+def decode_floor_ms(model, hbm_tbps: float | None) -> float | None:
+    """A bf16 decode step's floor on the card: every weight read once, in the dtype generation_dtype gives
+    it (the LM head and routers in fp32), over the HBM bandwidth; the embedding table only where the LM
+    head is tied to it (else a step reads a row of it per slot). At DECODE_SLOTS x top-k choices of the
+    small model's 8 experts, every expert is read."""
+    if hbm_tbps is None:
+        return None
+    with model.generation_dtype(torch.bfloat16):
+        read = sum(param.numel() * param.element_size() for name, param in model.named_parameters()
+                   if "word_embeddings" not in name or param is model.lm_head_weight)
+    return read / (hbm_tbps * 1e12) * 1e3
+
+
+def decode_steps(model, prompts: list[list[int]], compiled: bool, floor_ms: float | None = None) -> DecodeSteps:
     from megacispo.rollout.config import RolloutConfig
     from megacispo.rollout.generate import generate, sample_keys
 
@@ -926,14 +1000,15 @@ def decode_steps(model, prompts: list[list[int]], compiled: bool) -> DecodeSteps
     steps = DECODE_LONG - DECODE_SHORT
     return DecodeSteps(len(prompts), (seconds["long"] - seconds["short"]) / steps * 1e3,
                        (cuda_kernels(long) - cuda_kernels(short)) / steps,
-                       (host_syncs(long) - host_syncs(short)) / steps)
+                       (host_syncs(long) - host_syncs(short)) / steps, floor_ms)
 
 
 def decode_row(case: str, measured: DecodeSteps, layers: int, eager: DecodeSteps | None = None) -> Row:
-    """Decode tokens/s, CUDA kernels and host syncs per decode step, each bounded: kernels within
+    """Decode tokens/s, CUDA kernels and host syncs per decode step, each bounded: tokens/s at least
+    DECODE_ROOFLINE_FLOOR of the card's roofline (the step's ``floor_ms`` over its time), kernels within
     DECODE_KERNELS_PER_LAYER a layer plus DECODE_KERNELS_OUTSIDE_LAYERS, the host syncs of one look
-    every rollout.host_check_every steps, and (``eager``: the same model's eager steps) the compiled
-    step no slower than the eager one."""
+    every rollout.host_check_every steps, and (``eager``: the same model's eager steps, given for the
+    compiled step) the compiled step no slower than the eager one."""
     from megacispo.rollout.config import RolloutConfig
 
     kernel_bound = DECODE_KERNELS_PER_LAYER * layers + DECODE_KERNELS_OUTSIDE_LAYERS
@@ -942,15 +1017,23 @@ def decode_row(case: str, measured: DecodeSteps, layers: int, eager: DecodeSteps
     if not measured.host_syncs <= sync_bound:
         failures.append(f"{measured.host_syncs:.2f} host syncs > {sync_bound:g}")
     bound = f"kernels <= {kernel_bound}, host syncs <= {sync_bound:g} per step"
+    floor = DECODE_ROOFLINE_FLOOR["compiled" if eager is not None else "eager"]
+    bound = f"tok/s >= {floor:.1%} of roofline, {bound}"
+    roofline = "roofline unknown (pass --hbm-tbps)"
+    if measured.floor_ms is not None:
+        fraction = measured.floor_ms / measured.step_ms
+        roofline = f"{fraction:.2%} of roofline"
+        if not fraction >= floor:
+            failures.append(f"{fraction:.2%} of roofline < {floor:.1%}")
     if eager is not None:
         bound += ", ms <= eager's"
         if not measured.step_ms <= eager.step_ms:
             failures.append(f"{measured.step_ms:.2f} ms per step > eager's {eager.step_ms:.2f}")
     return Row("decode", case, bound=bound, failure="; ".join(failures),
-               value=f"{measured.step_ms:.2f} ms, {measured.kernels:.1f} kernels, {measured.host_syncs:.2f} host syncs "
-                     "per step",
-               note=f"{measured.slots / measured.step_ms * 1e3:,.0f} decode tok/s; over {DECODE_LONG - DECODE_SHORT} "
-                    f"steps, prompts of {DECODE_PROMPT_TOKENS} tokens")
+               value=f"{measured.slots / measured.step_ms * 1e3:,.0f} tok/s ({roofline}); {measured.step_ms:.2f} ms, "
+                     f"{measured.kernels:.1f} kernels, {measured.host_syncs:.2f} host syncs per step",
+               note=f"over {DECODE_LONG - DECODE_SHORT} steps, prompts of {DECODE_PROMPT_TOKENS} tokens"
+                    + ("" if measured.floor_ms is None else f"; roofline {measured.floor_ms * 1e3:.1f} us per step"))
 
 
 def cuda_kernels(step: Callable[[], None]) -> int:
@@ -1056,7 +1139,8 @@ class DriverRun:
             raise StageFailed(self.budget.spent())
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "-m", module, *args]
-        return run_logged(command, self.run_dir / "logs" / f"{stage}.log", self.env, min(self.timeout_s, left))
+        return run_logged(command, self.run_dir / "logs" / f"{stage}.log", self.env, min(self.timeout_s, left),
+                          cwd=self.inputs.root)
 
 
 def child_env(device: str) -> dict[str, str]:
@@ -1066,12 +1150,13 @@ def child_env(device: str) -> dict[str, str]:
     return env
 
 
-def run_logged(command: list[str], log: Path, env: dict[str, str], timeout_s: float) -> str:
-    """Run ``command`` in the repository with its output in ``log``; its output, or StageFailed with
-    the error it ended on."""
+def run_logged(command: list[str], log: Path, env: dict[str, str], timeout_s: float, cwd: Path) -> str:
+    """Run ``command`` in ``cwd`` with its output in ``log``; its output, or StageFailed with the error
+    it ended on. The driver's processes run in the check's run directory, not in the repository: there
+    the checkout's megacispo/ folder would shadow the installed package (on a lent GPU, the wheel)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             code = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -1135,13 +1220,13 @@ def prepare_driver_inputs(root: Path) -> tuple[DriverInputs, str]:
     data, tokenizer_dir = root / "data", root / "tokenizer"
     env = child_env("cpu")
     tools = [
-        [sys.executable, "tools/make_task_data.py", "--out", str(data), "--task", "addition", "--digits", "2",
-         "--num-train", "64", "--num-test", "8", "--seed", "0"],
-        [sys.executable, "tools/train_tokenizer.py", "--input", str(data / "corpus.txt"), "--vocab-size", "512",
-         "--out", str(tokenizer_dir)],
+        [sys.executable, str(REPO / "tools" / "make_task_data.py"), "--out", str(data), "--task", "addition",
+         "--digits", "2", "--num-train", "64", "--num-test", "8", "--seed", "0"],
+        [sys.executable, str(REPO / "tools" / "train_tokenizer.py"), "--input", str(data / "corpus.txt"),
+         "--vocab-size", "512", "--out", str(tokenizer_dir)],
     ]
     for command in tools:
-        run_logged(command, root / "logs" / f"{Path(command[1]).stem}.log", env, timeout_s=120)
+        run_logged(command, root / "logs" / f"{Path(command[1]).stem}.log", env, timeout_s=120, cwd=root)
     tokenizer = tokenizer_dir / "tokenizer.model"
     config = root / "driver.yaml"
     config.write_text(yaml.safe_dump(driver_config(data, tokenizer), sort_keys=False))
@@ -1466,7 +1551,7 @@ LEAF_STAGES = tuple(stage.name for stage in DRIVER_STAGES if stage.name not in {
 
 def driver_checks(args: argparse.Namespace, report: Report) -> None:
     device = "cpu" if args.cpu else "cuda"
-    root = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu_check_driver_"))
+    root = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu_check_driver_")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     prepared: list[DriverInputs] = []
 
@@ -1505,6 +1590,27 @@ SECTIONS = {"lightning": lightning_checks, "train": train_checks, "loss": loss_c
             "driver": driver_checks}
 
 
+def triton_version() -> str:
+    return importlib.metadata.version("triton") if importlib.util.find_spec("triton") else "none"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One call's share of the check on a lent GPU (--part), which gives 15 minutes to two calls and
+    their machine's start: each part is bounded by gpu_check.sh --device's TIME_LIMIT_S (400 s)."""
+
+    sections: tuple[str, ...]
+    driver_dtypes: tuple[str, ...]
+
+
+PARTS = {
+    # What tells most first: the kernels, decode (the compiled step included) and the bf16 driver, whose
+    # RL steps are a user's first run.
+    1: Part(("lightning", "decode", "driver"), ("bfloat16",)),
+    2: Part(("train", "loss", "driver"), ("float32",)),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.cpu:
@@ -1522,7 +1628,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         title = f"# GPU check's CPU twin: the driver on the CPU (gloo, torch {torch.__version__})"
     else:
-        title = f"# GPU check on {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+        part = "" if args.part is None else f", part {args.part}"
+        title = (f"# GPU check on {torch.cuda.get_device_name()} (torch {torch.__version__}, "
+                 f"CUDA {torch.version.cuda}, Triton {triton_version()}{part})")
     failed = sum(bool(row.failure) for row in report.rows)
     print(f"{title}, {time.perf_counter() - started:.0f} s: {len(report.rows)} rows, {failed} failed\n")
     print(report.table())

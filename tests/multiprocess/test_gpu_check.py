@@ -121,19 +121,25 @@ def _train(losses: list[float]):
     return gpu_check.TrainResult(losses, step_ms=10.0, peak_gib=1.0, weights={})
 
 
-def test_a_training_row_fails_when_its_loss_does_not_fall_or_fp8_drifts_from_bf16():
+def test_a_training_row_fails_when_its_loss_does_not_fall_its_mfu_is_low_or_fp8_drifts_from_bf16():
     bf16 = [9.7, 9.0, 8.1]
     rows = {
-        "falls": gpu_check.train_row("bf16", _train(bf16), "-", ""),
-        "flat": gpu_check.train_row("bf16", _train([9.7, 9.7, 9.7]), "-", ""),
-        "fp8 close": gpu_check.train_row("fp8", _train([9.7, 9.02, 8.14]), "-", "", bf16),
-        "fp8 far": gpu_check.train_row("fp8", _train([9.7, 9.1, 8.2]), "-", "", bf16),
+        "falls": gpu_check.train_row("bf16", _train(bf16), "-", "", mfu=0.02),
+        "unknown card": gpu_check.train_row("bf16", _train(bf16), "-", ""),
+        "slow": gpu_check.train_row("bf16", _train(bf16), "-", "", mfu=0.004),
+        "flat": gpu_check.train_row("bf16", _train([9.7, 9.7, 9.7]), "-", "", mfu=0.02),
+        "fp8 close": gpu_check.train_row("fp8", _train([9.7, 9.02, 8.14]), "-", "", bf16, mfu=0.02),
+        "fp8 far": gpu_check.train_row("fp8", _train([9.7, 9.1, 8.2]), "-", "", bf16, mfu=0.02),
     }
     assert {name: row.status for name, row in rows.items()} == {
-        "falls": "pass", "flat": "FAIL", "fp8 close": "pass", "fp8 far": "FAIL"}
+        "falls": "pass", "unknown card": "pass", "slow": "FAIL", "flat": "FAIL", "fp8 close": "pass",
+        "fp8 far": "FAIL"}
+    assert rows["falls"].value == "loss 9.700 -> 8.100; MFU 2.00%"
+    assert rows["unknown card"].value == "loss 9.700 -> 8.100; MFU unknown (pass --peak-tflops)"
+    assert rows["slow"].failure == "MFU 0.40% < 0.5%"
     assert rows["flat"].failure == "the loss did not fall: 9.7000 -> 9.7000"
     assert rows["fp8 far"].failure == "max |fp8 - bf16 loss| 1.00e-01 > 0.05"
-    assert rows["fp8 far"].bound == "loss falls; |fp8 - bf16| <= 0.05"
+    assert rows["fp8 far"].bound == "loss falls; MFU >= 0.5%; |fp8 - bf16| <= 0.05"
 
 
 def test_a_peer_that_raises_is_a_note_not_a_failure():
@@ -284,8 +290,8 @@ def test_a_kernel_slower_than_the_torch_path_it_replaces_fails_its_speed_row():
                                                   slow.failure), slow
 
 
-def test_a_decode_row_fails_on_too_many_kernels_or_syncs_or_a_compiled_step_slower_than_eager():
-    eager = gpu_check.DecodeSteps(slots=16, step_ms=4.0, kernels=250.0, host_syncs=0.25)
+def test_a_decode_row_fails_on_too_many_kernels_or_syncs_a_compiled_step_slower_than_eager_or_far_from_roofline():
+    eager = gpu_check.DecodeSteps(slots=16, step_ms=4.0, kernels=250.0, host_syncs=0.25, floor_ms=0.05)
     kernel_bound = 8 * gpu_check.DECODE_KERNELS_PER_LAYER + gpu_check.DECODE_KERNELS_OUTSIDE_LAYERS
     rows = {
         "eager": gpu_check.decode_row("eager", eager, layers=8),
@@ -293,13 +299,63 @@ def test_a_decode_row_fails_on_too_many_kernels_or_syncs_or_a_compiled_step_slow
         "slow": gpu_check.decode_row("slow", replace(eager, step_ms=4.5), 8, eager),
         "kernels": gpu_check.decode_row("kernels", replace(eager, kernels=kernel_bound + 0.5), 8),
         "syncs": gpu_check.decode_row("syncs", replace(eager, host_syncs=1.0), 8),
+        "far": gpu_check.decode_row("far", replace(eager, step_ms=60.0), 8),
+        "unknown card": gpu_check.decode_row("unknown card", replace(eager, floor_ms=None), 8),
     }
     assert {name: row.status for name, row in rows.items()} == {
-        "eager": "pass", "compiled": "pass", "slow": "FAIL", "kernels": "FAIL", "syncs": "FAIL"}
+        "eager": "pass", "compiled": "pass", "slow": "FAIL", "kernels": "FAIL", "syncs": "FAIL", "far": "FAIL",
+        "unknown card": "pass"}
+    assert rows["eager"].value.startswith("4,000 tok/s (1.25% of roofline); 4.00 ms, 250.0 kernels")
+    assert rows["far"].failure == "0.08% of roofline < 0.1%"
+    assert rows["unknown card"].value.startswith("4,000 tok/s (roofline unknown (pass --hbm-tbps)); ")
     assert rows["slow"].failure == "4.50 ms per step > eager's 4.00"
     assert rows["kernels"].failure == f"{kernel_bound + 0.5:.1f} kernels > {kernel_bound}"
     assert rows["syncs"].failure == "1.00 host syncs > 0.25"
-    assert rows["compiled"].bound == f"kernels <= {kernel_bound}, host syncs <= 0.25 per step, ms <= eager's"
+    assert rows["compiled"].bound == (f"tok/s >= 0.5% of roofline, kernels <= {kernel_bound}, host syncs <= 0.25 "
+                                      "per step, ms <= eager's")
+
+
+def _decode_floor(hbm_tbps: float) -> tuple[float, int, int]:
+    """decode_floor_ms of the tiny model (fp32 weights), and its bf16 and fp32 parameters but the
+    embedding's within a bf16 rollout."""
+    from megacispo.models.config import model_config, transformer_config
+    from megacispo.models.model import HybridModel
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(), seed=0)
+    config = model_config("tiny")
+    model = HybridModel(config, transformer_config(config, ParallelConfig())).eval()
+    floor_ms = gpu_check.decode_floor_ms(model, hbm_tbps)
+    with model.generation_dtype(torch.bfloat16):
+        counts = {dtype: sum(p.numel() for name, p in model.named_parameters()
+                             if p.dtype == dtype and "word_embeddings" not in name)
+                  for dtype in (torch.bfloat16, torch.float32)}
+    return floor_ms, counts[torch.bfloat16], counts[torch.float32]
+
+
+def test_the_decode_roofline_reads_every_weight_but_the_embedding_in_its_rollout_dtype():
+    ((floor_ms, bf16, fp32),) = run_distributed(_decode_floor, 1, 2.0)
+    assert bf16 > 0 and fp32 > 0  # the fp32 LM head and routers beside bf16 layers
+    assert floor_ms == pytest.approx((2 * bf16 + 4 * fp32) / 2e12 * 1e3)
+
+
+def test_the_parts_split_the_check_between_two_calls():
+    parts = {number: gpu_check.parse_args(["--part", str(number)]) for number in gpu_check.PARTS}
+    sections = {number: [name for name in gpu_check.SECTIONS if name not in args.skip]
+                for number, args in parts.items()}
+    assert sections == {1: ["lightning", "decode", "driver"], 2: ["train", "loss", "driver"]}
+    assert {number: args.driver_dtype for number, args in parts.items()} == {1: ["bfloat16"], 2: ["float32"]}
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--part", "1", "--skip", "train"])
+
+
+def test_on_a_device_without_the_wheels_the_check_says_how_to_bundle_them(tmp_path):
+    env = {**os.environ, "WHEELS": str(tmp_path), "OUT": str(tmp_path / "out")}
+    result = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--device", "--part", "1"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (f"gpu_check --device: no wheels in {tmp_path}/: run 'bash benchmarks/gpu_bundle.sh' on "
+                             "your machine and name .whl in the device call's carry\n")
 
 
 def test_without_cuda_the_gpu_check_stops_at_once_with_one_line():
