@@ -363,9 +363,10 @@ def torch_blockwise(q, k, v, decay, cu_seqlens=None, block_size: int = 256):
     """The block-wise torch implementation of models/lightning.py on any device (lightning_attention
     itself sends CUDA tensors to Triton). Returns out [b, n, h, d]."""
     from megacispo.models import lightning
+    from megacispo.models.lightning_checks import document_lengths
 
     batch, seq_len = q.shape[:2]
-    doc_lengths = lightning._document_lengths(cu_seqlens, batch, seq_len)
+    doc_lengths = document_lengths(cu_seqlens, batch, seq_len)
     layout = lightning._BlockLayout.build(
         tuple(doc_lengths), block_size, max(1, lightning.CHUNK_TOKENS // block_size), q.device
     )

@@ -17,8 +17,12 @@ the run with one error naming the tensor and its file). The layout is the config
 (--config and --set, as for megacispo.train): parallel.*_size splits the model as in training, and
 with TP > 1 the model runs with sequence parallelism, as megacispo trains it (each sequence is
 padded at its end to a multiple of TP: causal, so earlier positions do not see the padding; the MoE
-drops no tokens). The sequences are split over the data-parallel ranks, one sequence per forward
-through Megatron's schedule; rank 0 writes --out atomically.
+drops no tokens). With parallel.context_parallel_size = CP > 1 each sequence is split over the CP
+ranks as training splits a packed row (padded at its end to a multiple of 2 x CP, each rank holding
+two zigzag chunks; parallel.context_parallel_comm picks the softmax layers' scheme), so that a
+sequence longer than one GPU holds is scored with its training layout. The sequences are split
+over the data-parallel ranks, one sequence per forward through Megatron's schedule; rank 0 writes
+--out atomically.
 """
 
 from __future__ import annotations
@@ -120,12 +124,6 @@ def model_config_of(load: str | os.PathLike, config: Config) -> tuple[HybridMode
 def scoring_layout(parallel: ParallelConfig, model: HybridModelConfig, world_size: int) -> ParallelConfig:
     """The config's layout with sequence parallelism on exactly when TP > 1 (the MoE needs it under TP,
     as in training), checked against the scored model."""
-    if parallel.context_parallel_size > 1:
-        raise ValueError(
-            f"parallel.context_parallel_size = {parallel.context_parallel_size}: scoring runs each sequence whole on "
-            f"a rank (it packs no rows); set parallel.context_parallel_size = 1 and spread the sequences over "
-            f"data-parallel ranks"
-        )
     parallel = dataclasses.replace(parallel, sequence_parallel=parallel.tensor_model_parallel_size > 1)
     validate_layout(parallel, world_size, model_shape(model))
     return parallel
@@ -136,7 +134,8 @@ def score_plan(load: str, model: HybridModelConfig, params_dtype: str, parallel:
     """What a scoring run would do, for --dry-run."""
     return (f"score: {num_records} sequences with the {model.num_layers}-layer model of {load} ({params_dtype}); "
             f"layout: world {world_size} = TP {parallel.tensor_model_parallel_size} x PP "
-            f"{parallel.pipeline_model_parallel_size} x DP {parallel.data_parallel_size(world_size)}, EP "
+            f"{parallel.pipeline_model_parallel_size} x CP {parallel.context_parallel_size} x DP "
+            f"{parallel.data_parallel_size(world_size)}, EP "
             f"{parallel.expert_model_parallel_size}, expert TP {parallel.expert_tp}, sequence parallel "
             f"{parallel.sequence_parallel}")
 

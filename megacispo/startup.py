@@ -31,7 +31,7 @@ from megacispo.models.routing import route_dtype
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import CONTEXT_PARALLEL_COMMS, validate_layout, world_size_from_env
 from megacispo.rl import adaptive_clip
-from megacispo.rl.losses import get_policy_loss, policy_loss_names, validate_policy_loss_params
+from megacispo.rl.losses import policy_loss_names, validate_policy_loss_params
 from megacispo.rollout.generate import GIB, rollout_cache_bytes
 
 
@@ -288,7 +288,8 @@ def check_config(config: Config) -> Config:
 
 def _check_context_parallel(config: Config) -> None:
     """What splitting every packed row over parallel.context_parallel_size ranks needs: packed rows, and
-    nothing computed over a whole sequence in the loss (each rank holds pieces of sequences)."""
+    nothing that sees a sequence whole outside the loss (whose per-sequence sums span the CP ranks:
+    megacispo.rl.losses.Sequences), nor rollout processes apart."""
     check_choice("parallel.context_parallel_comm", config.parallel.context_parallel_comm, CONTEXT_PARALLEL_COMMS)
     cp = config.parallel.context_parallel_size
     if cp == 1:
@@ -296,14 +297,6 @@ def _check_context_parallel(config: Config) -> None:
     field = f"parallel.context_parallel_size = {cp}"
     if not config.train.pack_sequences:
         raise ValueError(f"{field} splits packed rows over its ranks, but train.pack_sequences is false: set it true")
-    aggregation = get_policy_loss(config.rl.loss.name).aggregation
-    if aggregation != "token_mean":
-        raise ValueError(
-            f"{field} with rl.loss.name = {config.rl.loss.name}: that loss averages over each sequence "
-            f"({aggregation}), and context parallelism splits sequences over ranks; use a token-mean loss "
-            f"({', '.join(n for n in policy_loss_names() if get_policy_loss(n).aggregation == 'token_mean')}) or "
-            f"parallel.context_parallel_size = 1"
-        )
     if config.logging.metric_hooks:
         raise ValueError(
             f"{field} with logging.metric_hooks: a hook sees its micro-batch's tokens as whole sequences, and "

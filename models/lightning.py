@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megacispo.models.lightning_checks import check_decay, check_decay_shape, check_qkv, check_state, document_lengths
+
 __all__ = [
     "CHUNK_TOKENS",
     "lightning_attention",
@@ -104,14 +106,14 @@ def lightning_attention_reference(
     q, k, v: [b, n, h, d]; decay: [h]; initial_state: [b, h, d, d] or None (zeros).
     Returns (out [b, n, h, d], final_state [b, h, d, d]).
     """
-    _check_qkv(q, k, v)
-    _check_decay(decay, q.shape[2])
+    check_qkv(q, k, v)
+    check_decay(decay, q.shape[2])
     batch, seq_len, num_heads, head_dim = q.shape
     state_shape = (batch, num_heads, head_dim, head_dim)
     if initial_state is None:
         state = q.new_zeros(state_shape)
     else:
-        _check_state("initial_state", initial_state, state_shape)
+        check_state("initial_state", initial_state, state_shape)
         state = initial_state
     outputs = []
     for t in range(seq_len):
@@ -135,8 +137,8 @@ def lightning_decode_step(
         if tensor.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(tensor.shape)}")
     batch, num_heads, head_dim = q.shape
-    _check_decay_shape(decay, num_heads)
-    _check_state("state", state, (batch, num_heads, head_dim, head_dim))
+    check_decay_shape(decay, num_heads)
+    check_state("state", state, (batch, num_heads, head_dim, head_dim))
     return lightning_state_step(q, k, v, lightning_step_decay(decay, state.dtype), state.clone())
 
 
@@ -191,16 +193,16 @@ def lightning_attention(
         from megacispo.models.lightning_triton import lightning_attention_triton
 
         return lightning_attention_triton(q, k, v, decay, initial_state, cu_seqlens)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     batch, seq_len, num_heads, head_dim = q.shape
-    _check_decay(decay, num_heads)
+    check_decay(decay, num_heads)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    doc_lengths = _document_lengths(cu_seqlens, batch, seq_len)
+    doc_lengths = document_lengths(cu_seqlens, batch, seq_len)
     packed = cu_seqlens is not None
     if initial_state is not None:
         num_states = len(doc_lengths) if packed else batch
-        _check_state("initial_state", initial_state, (num_states, num_heads, head_dim, head_dim))
+        check_state("initial_state", initial_state, (num_states, num_heads, head_dim, head_dim))
         if initial_state.dtype != q.dtype:
             raise ValueError(f"initial_state dtype must be q's {q.dtype}, got {initial_state.dtype}")
         initial_state = _public_to_doc_states(initial_state, packed)
@@ -209,67 +211,6 @@ def lightning_attention(
     decays = _BlockDecays.build(decay, layout, q.dtype, with_initial_state=initial_state is not None)
     out, final_states = _LightningAttentionFunction.apply(q, k, v, initial_state, decays, layout)
     return out, _doc_to_public_states(final_states, packed)
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4:
-        raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
-    if q.shape[1] == 0:
-        raise ValueError("q has sequence length 0; pass at least one token (or skip the call)")
-    for name, tensor in (("k", k), ("v", v)):
-        if tensor.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(tensor.shape)}")
-        if tensor.dtype != q.dtype:
-            raise ValueError(f"{name} dtype must be q's {q.dtype}, got {tensor.dtype}")
-
-
-def _check_decay_shape(decay: torch.Tensor, num_heads: int) -> None:
-    if decay.shape != (num_heads,):
-        raise ValueError(f"decay must be [heads] = ({num_heads},), got shape {tuple(decay.shape)}")
-
-
-def _check_decay(decay: torch.Tensor, num_heads: int) -> None:
-    """The shape, and the values where reading them costs nothing (on the host): on a GPU the read
-    would be a host sync in every lightning layer, and the layers' rates come from
-    lightning_decay_rates, finite and positive by construction."""
-    _check_decay_shape(decay, num_heads)
-    if decay.device.type == "cpu" and not bool(torch.all(torch.isfinite(decay) & (decay > 0))):
-        raise ValueError(
-            f"decay must hold finite positive rates s_h (state factor exp(-s_h) < 1), got {decay.tolist()}; "
-            "use lightning_decay_rates"
-        )
-
-
-def _check_state(name: str, state: torch.Tensor, expected_shape: tuple[int, ...]) -> None:
-    if state.shape != expected_shape:
-        raise ValueError(f"{name} must have shape {expected_shape}, got {tuple(state.shape)}")
-
-
-def _document_lengths(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -> list[int]:
-    """Document lengths as host ints (the block layout is decided on the host: one sync)."""
-    if cu_seqlens is None:
-        return [seq_len]
-    if batch != 1:
-        raise ValueError(
-            f"cu_seqlens needs the packed documents in one row (batch 1), got batch {batch}; "
-            "concatenate the sequences along seq"
-        )
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError(
-            f"cu_seqlens must be a 1-D integer tensor [num_docs + 1], got dtype {cu_seqlens.dtype} "
-            f"shape {tuple(cu_seqlens.shape)}"
-        )
-    offsets = cu_seqlens.tolist()
-    lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
-    if offsets[0] != 0 or offsets[-1] != seq_len or min(lengths) < 1:
-        raise ValueError(
-            f"cu_seqlens must increase strictly from 0 to seq_len={seq_len} (no empty documents), got {offsets}"
-        )
-    return lengths
 
 
 def _public_to_doc_states(state: torch.Tensor, packed: bool) -> torch.Tensor:

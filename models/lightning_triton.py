@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megacispo.models.lightning import _check_decay, _check_qkv, _check_state, _document_lengths
+from megacispo.models.lightning_checks import check_decay, check_qkv, check_state, document_lengths
 
 try:
     import triton
@@ -268,14 +268,14 @@ def lightning_attention_triton(
     Returns (out [b, n, h, d], final_state) in q's dtype.
     """
     _check_runtime(q)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     batch, seq_len, num_heads, head_dim = q.shape
-    _check_decay(decay, num_heads)
+    check_decay(decay, num_heads)
     if not isinstance(block_size, int) or block_size < _MIN_DOT_DIM or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= {_MIN_DOT_DIM} (tl.dot tiles), got {block_size!r}")
-    doc_lengths = [seq_len] * batch if cu_seqlens is None else _document_lengths(cu_seqlens, batch, seq_len)
+    doc_lengths = [seq_len] * batch if cu_seqlens is None else document_lengths(cu_seqlens, batch, seq_len)
     if initial_state is not None:
-        _check_state("initial_state", initial_state, (len(doc_lengths), num_heads, head_dim, head_dim))
+        check_state("initial_state", initial_state, (len(doc_lengths), num_heads, head_dim, head_dim))
         if initial_state.dtype != q.dtype:
             raise ValueError(f"initial_state dtype must be q's {q.dtype}, got {initial_state.dtype}")
     blocks = _DocumentBlocks.build(tuple(doc_lengths), block_size, q.device)

@@ -37,7 +37,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norms, residuals and dropout along the sequence across the TP group (needs TP > 1)."""
     context_parallel_size: int = 1
-    """CP: each packed row of the training passes is split over this many ranks (zigzag chunks), which hold the same weights."""
+    """CP: each packed row of the training passes, and each sequence megacispo.score scores, is split over
+    this many ranks (zigzag chunks), which hold the same weights; the losses' per-sequence sums (grpo, gspo)
+    span them. Refused with CP > 1: train.pack_sequences = false (CP splits packed rows), logging.metric_hooks
+    (a hook sees sequences whole), placement.rollout_ranks > 0 (the CP ranks generate in the training
+    processes). Decoding (rollouts, evaluation) never splits a sequence: each CP rank decodes prompts of its own."""
     context_parallel_comm: str = "all_gather"
     """How softmax layers see the other CP ranks' keys: all_gather (the whole row's K and V at once) or p2p (a ring, one block at a time)."""
     distributed_timeout_minutes: int = 30

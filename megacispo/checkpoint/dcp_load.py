@@ -34,7 +34,7 @@ from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.planner import ReadItem
 
-from megacispo.checkpoint.distributed import CheckpointError
+from megacispo.checkpoint.formats import CheckpointError
 from megacispo.checkpoint.streaming import check_finite
 from megacispo.checkpoint.unpickling import CheckpointReader, RefusedPickle, check_extra_state, load_weights_only
 

@@ -22,7 +22,9 @@ resumed run can pass over that checkpoint to an older one.
 
 The optimizer state uses the distributed optimizer's ``fully_reshardable`` format (per-parameter
 tensors in model space, the way a plain optimizer stores them), so it reshards across TP/PP/DP too,
-and across EP, which changes Megatron's chain of optimizers (``_state_for_chain``).
+and across EP, which changes Megatron's chain of optimizers (``_state_for_chain``). A save gathers it
+into the host memory of data-parallel rank 0 alone (of each model-parallel shard), which writes it: the
+other data-parallel ranks hold their own shard only.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megacispo.checkpoint.formats import META_FILE
+from megacispo.checkpoint.formats import META_FILE, CheckpointError
 from megacispo.checkpoint.unpickling import RefusedPickle, load_weights_only, read_dcp_metadata
 from megacispo.files import flush_to_disk, fsync_path, publish_directory
 
@@ -70,11 +72,6 @@ WEIGHT_FIELDS = ("num_layers", "layer_pattern", "hidden_size", "num_attention_he
 OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: the message names the file and what is wrong with it. A
-    ValueError, which the entry points print as one ``error:`` line."""
-
-
 def refused_error(file: Path | str, refused: RefusedPickle) -> CheckpointError:
     """The CheckpointError for a pickle in ``file`` that megacispo.checkpoint.unpickling refused."""
     return CheckpointError(
@@ -96,10 +93,12 @@ def sharded_metadata() -> dict[str, Any]:
         "singleton_local_shards": False,
         # One key space for chained (dense + expert) optimizers: keys come from the parameters.
         "chained_optim_avoid_prefix": True,
-        # Without CUDA, gather the distributed optimizer's shards with gloo on DP rank 0: the default
-        # (all-gather on every rank) calls send_tensor.cuda() (distrib_optimizer.py:1089 in 0.16.1,
-        # get_parameter_state_dp_zero). Both variants load the same way.
-        "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available(),
+        # On every device, gather the distributed optimizer's shards with gloo into DP rank 0's host
+        # memory alone: the default all-gathers them with NCCL into every DP rank's host memory
+        # (get_parameter_state_dp_zero, distrib_optimizer.py:1089 in 0.16.1), the whole optimizer state
+        # of the rank's model-parallel shard on each (about 52 GB per rank at M1). Both variants load the
+        # same way.
+        "distrib_optim_fully_reshardable_mem_efficient": True,
     }
 
 
@@ -301,8 +300,8 @@ def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> 
 
 def _drop_absent_param_states(optimizer_state: dict) -> None:
     """Remove the ``param_state: None`` that the distributed optimizer leaves on data-parallel ranks
-    other than 0 when it gathers on DP rank 0 alone (distrib_optim_fully_reshardable_mem_efficient,
-    the CPU's way, sharded_metadata): rank 0's gathered state is sharded tensors, which leave the common
+    other than 0, where it gathers on DP rank 0 alone (distrib_optim_fully_reshardable_mem_efficient,
+    sharded_metadata): rank 0's gathered state is sharded tensors, which leave the common
     state, so the None alone would make the ranks' common states differ and Megatron's
     ``_validate_common_state_dict`` (dist_checkpointing/validation.py) warn at every save. Only rank
     0's common state is written, so the checkpoint does not change."""

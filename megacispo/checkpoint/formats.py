@@ -27,6 +27,11 @@ HF_MODEL_TYPE = "minimax"
 HF_ARCHITECTURE = "MiniMaxForCausalLM"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message names the file and what is wrong with it. A
+    ValueError, which the entry points print as one ``error:`` line."""
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object file of an HF directory; ValueError naming the file when it is not one."""
     try:

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from megacispo.checkpoint.distributed import CheckpointError
+from megacispo.checkpoint.formats import CheckpointError
 
 # check_finite looks at this many elements at a time: its temporary stays 16 MiB whatever the tensor.
 FINITE_CHECK_ELEMENTS = 1 << 24

@@ -12,11 +12,13 @@ whose reward fails gets rl.failure_reward; a step whose samples fail more often 
 rl.max_reward_failure_frac stops the run (``RewardFailureError``).
 
 A run calls its reward with a time limit (``score_responses(..., timeout_s=rl.reward_timeout_s)``): in
-a worker process, one per reward function and process, which is SIGKILLed when a call is late (a
-signal cannot stop a call stuck in C code; SIGKILL can) and replaced, the late call counting as a
-failure. A batch travels to the worker in one message and each verdict comes back as it is made, so a
-call costs the worker a few microseconds more than in-process. The wait for a verdict looks every
-``POLL_S`` whether its caller was told to stop (SIGTERM: ``ScoringInterrupted``).
+worker processes, rl.reward_workers per reward function and process, one call in flight in each. A late
+call's worker is SIGKILLed (a signal cannot stop a call stuck in C code; SIGKILL can) and replaced, the
+late call counting as a failure. A circuit breaker bounds a batch whatever its size (``RewardPool``):
+once more than rl.max_reward_failure_frac of the calls decided so far have failed (judged from as many
+calls as there are workers on), the rest are not made and fail too, so a reward that hangs on every
+call costs one time limit a batch, not one a sample. The wait for a verdict looks every ``POLL_S``
+whether its caller was told to stop (SIGTERM: ``ScoringInterrupted``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable, Sequence
@@ -66,6 +69,13 @@ POLL_S = 0.1
 """How often a wait for a reward worker looks whether its caller was told to stop."""
 WORKER_STARTUP_TIMEOUT_S = 120.0
 """The most a reward worker may take to import the reward's module (and torch, for the records)."""
+LATE = "late"
+"""The cause of a failure that ran out of time: a reward call over rl.reward_timeout_s, an environment call
+over env.timeout_s."""
+NOT_CALLED = "not called"
+"""The cause of a failure the circuit breaker left out (``RewardPool``)."""
+Verdict = tuple[float | None, str, str]
+"""A call's reward (None: it failed), why it failed, and its cause (empty, LATE or NOT_CALLED)."""
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -280,10 +290,21 @@ class RewardScores:
     failures: tuple[str, ...]
     """Per response: why its verifier failed (raised, or returned no finite number), with its prompt and
     response (truncated); empty where it did not."""
+    causes: tuple[str, ...] = ()
+    """Per response: LATE (its call, or its environment's, ran out of time), NOT_CALLED (the circuit
+    breaker left it out) or empty; empty throughout: none of these."""
 
     @property
     def num_failures(self) -> int:
         return sum(map(bool, self.failures))
+
+    @property
+    def num_late(self) -> int:
+        return self.causes.count(LATE)
+
+    @property
+    def num_not_called(self) -> int:
+        return self.causes.count(NOT_CALLED)
 
     @property
     def first_failure(self) -> str:
@@ -292,13 +313,14 @@ class RewardScores:
 
     def select(self, rows: slice) -> RewardScores:
         """The scores of ``rows`` alone."""
-        return RewardScores(self.rewards[rows], self.failures[rows])
+        return RewardScores(self.rewards[rows], self.failures[rows], self.causes[rows])
 
     @staticmethod
     def concat(parts: Sequence[RewardScores]) -> RewardScores:
         """The scores of ``parts``' responses in order."""
         return RewardScores([reward for part in parts for reward in part.rewards],
-                            tuple(failure for part in parts for failure in part.failures))
+                            tuple(failure for part in parts for failure in part.failures),
+                            tuple(cause for part in parts for cause in part.causes or ("",) * len(part.rewards)))
 
 
 def score_responses(
@@ -308,15 +330,19 @@ def score_responses(
     failure_reward: float,
     *,
     timeout_s: float | None = None,
+    workers: int = 1,
+    max_failure_frac: float = 1.0,
     interrupted: Callable[[], bool] = lambda: False,
 ) -> RewardScores:
     """Reward every (response, record) pair.
 
     A reward that raises, or returns a non-number or a non-finite value, is logged as a warning
     with the sample's prompt and response (truncated) and scored ``failure_reward``: one bad
-    sample costs its reward, not the run. With ``timeout_s`` the calls run in the reward's worker
-    process (``RewardWorker``), and a call over ``timeout_s`` is such a failure too; while waiting
-    for one, ``interrupted()`` returning True ends the scoring with ``ScoringInterrupted``.
+    sample costs its reward, not the run. With ``timeout_s`` the calls run in ``workers`` worker
+    processes of the reward (``RewardPool``): a call over ``timeout_s`` is such a failure too, and
+    once more than ``max_failure_frac`` of the calls decided have failed the rest are not made (failures
+    as well); while waiting for one, ``interrupted()`` returning True ends the scoring with
+    ``ScoringInterrupted``.
     """
     if len(responses) != len(records):
         raise ValueError(
@@ -324,11 +350,12 @@ def score_responses(
             "pass one record per response (repeat each prompt's record for its G samples)"
         )
     if timeout_s is None:
-        verdicts = [_score_one(reward_fn, response, record) for response, record in zip(responses, records)]
+        verdicts = [(*_score_one(reward_fn, response, record), "") for response, record in zip(responses, records)]
     else:
-        verdicts = reward_worker(reward_fn).score(list(zip(responses, records)), timeout_s, interrupted)
+        verdicts = reward_pool(reward_fn).score(list(zip(responses, records)), timeout_s, workers, max_failure_frac,
+                                                interrupted)
     rewards, failures, num_failures = [], [], 0
-    for response, record, (reward, failure) in zip(responses, records, verdicts):
+    for response, record, (reward, failure, _) in zip(responses, records, verdicts):
         described = ""
         if reward is None:
             num_failures += 1
@@ -346,23 +373,30 @@ def score_responses(
             len(responses),
             MAX_LOGGED_FAILURES,
         )
-    return RewardScores(rewards, tuple(failures))
+    return RewardScores(rewards, tuple(failures), tuple(cause for _, _, cause in verdicts))
 
 
 class RewardFailureError(ValueError):
     """Stops a run whose verifier fails too often: training on failure_reward alone would teach the
-    policy nothing while looking like a run. Raised on every rank alike (the fraction is reduced)."""
+    policy nothing while looking like a run. Raised on every rank alike (the counts are reduced).
+    ``late`` and ``not_called``: how many of the failed calls ran out of ``time_limits`` (e.g.
+    "rl.reward_timeout_s = 30 s") and how many the circuit breaker left out."""
 
-    def __init__(self, spec: str, failure_frac: float, max_failure_frac: float, first_failure: str):
+    def __init__(self, spec: str, failure_frac: float, max_failure_frac: float, first_failure: str, *,
+                 late: int = 0, not_called: int = 0, time_limits: str = ""):
+        counts = [f"{late} calls late, over {time_limits}"] if late else []
+        counts += [f"{not_called} not called once too many had failed"] if not_called else []
+        timing = f" ({'; '.join(counts)}, each counted as a failure)" if counts else ""
         super().__init__(
-            f"rl.reward = {spec!r} failed on {failure_frac:.0%} of a step's samples, more than "
+            f"rl.reward = {spec!r} failed on {failure_frac:.0%} of a step's samples{timing}, more than "
             f"rl.max_reward_failure_frac = {max_failure_frac}; the first: {first_failure}. Fix the reward function "
-            "(a reward is a number), or raise rl.max_reward_failure_frac"
+            f"(a reward is a number{', returned within ' + time_limits if late else ''}), or raise "
+            "rl.max_reward_failure_frac"
         )
 
 
 # ---------------------------------------------------------------------------------------------
-# The worker process
+# The worker processes
 # ---------------------------------------------------------------------------------------------
 
 
@@ -381,8 +415,8 @@ def _send(stream, message) -> None:
 
 
 def serve() -> None:
-    """The worker: the reward function (pickled by reference) first, then batches of (response,
-    record) pairs on stdin; one verdict of ``_score_one`` per pair on stdout, each as it is made."""
+    """The worker: the reward function (pickled by reference) first, then one (response, record) pair
+    at a time on stdin; the verdict of ``_score_one`` for each on stdout."""
     die_with_parent(int(sys.argv[1]))
     # Ctrl-C and torchrun's SIGTERM reach the whole process group; the parent decides when this worker
     # ends (stdin closes, or it is killed), after its own orderly stop.
@@ -396,109 +430,177 @@ def serve() -> None:
     _send(replies, _READY)
     while True:
         try:
-            pairs = pickle.load(requests)
+            response, record = pickle.load(requests)
         except EOFError:
             return
-        for response, record in pairs:
-            _send(replies, _score_one(reward_fn, response, record))
+        _send(replies, _score_one(reward_fn, response, record))
 
 
-class RewardWorker:
-    """The calls of one reward function, in a child process, each within a time limit: a late call's
-    worker is SIGKILLed, the call fails, and a fresh worker takes the rest of the batch."""
+class _Worker:
+    """One worker process of a reward: starting (not ``ready`` yet), idle, or on the call ``call`` until
+    ``deadline``."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.ready = False
+        self.call: int | None = None
+        self.deadline = 0.0
+        self._buffer = b""
+
+    @property
+    def waited_for(self) -> bool:
+        """Whether the pool waits for a message from it (its readiness or a verdict)."""
+        return self.process is not None and (not self.ready or self.call is not None)
+
+    def start(self, pickled: bytes) -> None:
+        # The parent's import path, so that the worker finds the reward's module as the parent did.
+        path = [entry or os.getcwd() for entry in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from megacispo.data.rewards import serve; serve()", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.process.stdin.write(pickled)
+        self.process.stdin.flush()
+        self.ready, self.call, self._buffer = False, None, b""
+        self.deadline = time.monotonic() + WORKER_STARTUP_TIMEOUT_S
+
+    def send(self, call: int, pair: tuple[str, PromptRecord], timeout_s: float) -> None:
+        self.call, self.deadline = call, time.monotonic() + timeout_s
+        try:
+            pickle.dump(pair, self.process.stdin)
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died while idle: the end of its output fails the call as a crash
+
+    def read(self) -> list | None:
+        """The messages that have come in whole; None when the worker has died."""
+        data = os.read(self.process.stdout.fileno(), 1 << 16)
+        if not data:
+            return None
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(self._buffer)
+            if len(self._buffer) < _LENGTH.size + size:
+                break
+            messages.append(pickle.loads(self._buffer[_LENGTH.size:_LENGTH.size + size]))
+            self._buffer = self._buffer[_LENGTH.size + size:]
+        return messages
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_worker(self.process)
+        self.process, self.ready, self.call, self._buffer = None, False, None, b""
+
+
+class RewardPool:
+    """The calls of one reward function in up to rl.reward_workers child processes, one call in flight in
+    each, each within a time limit: a late call's worker is SIGKILLed, the call fails, and a fresh worker
+    takes its place. A circuit breaker bounds a batch whatever its size: once as many calls as there are
+    workers have a verdict, and more than ``max_failure_frac`` of those with one failed, the calls in flight
+    are stopped and the rest not made (they fail too). A reward that hangs on every call so costs one
+    time limit a batch; one that is only sometimes late passes, its late calls having their verdicts
+    last (a fast call is decided before a slow one)."""
 
     def __init__(self, reward_fn: RewardFn, pickled: bytes):
         self.name = getattr(reward_fn, "__name__", repr(reward_fn))
         self._pickled = pickled
-        self._process: subprocess.Popen | None = None
-        self._buffer = b""
+        self._workers: list[_Worker] = []
 
-    def score(self, pairs: list[tuple[str, PromptRecord]], timeout_s: float,
-              interrupted: Callable[[], bool]) -> list[tuple[float | None, str]]:
-        """The verdict of ``_score_one`` for each pair, in order; ScoringInterrupted when
-        ``interrupted()`` says so while a call is in flight (the worker is then stopped)."""
-        verdicts: list[tuple[float | None, str]] = []
-        while len(verdicts) < len(pairs):
-            process = self._ready_worker(interrupted)
-            pending = pairs[len(verdicts):]
-            try:
-                pickle.dump(pending, process.stdin)
-                process.stdin.flush()
-            except BrokenPipeError:
-                pending = pending[:1]  # the worker died before the batch: its first call counts the crash
-            for _ in pending:
-                verdict = self._receive(timeout_s, interrupted)
-                if verdict is None:
-                    verdicts.append((None, self._late_or_crashed(timeout_s)))
-                    break
-                verdicts.append(verdict)
+    def score(self, pairs: list[tuple[str, PromptRecord]], timeout_s: float, workers: int, max_failure_frac: float,
+              interrupted: Callable[[], bool]) -> list[Verdict]:
+        """The verdict of each pair, in order; ScoringInterrupted when ``interrupted()`` says so while the
+        pool waits (its workers are then stopped)."""
+        verdicts: list[Verdict | None] = [None] * len(pairs)
+        while len(self._workers) < min(workers, len(pairs)):
+            self._workers.append(_Worker())
+        slots = self._workers[:min(workers, len(pairs))]
+        for slot in slots:
+            if slot.process is None:
+                slot.start(self._pickled)
+        waiting = deque(range(len(pairs)))
+        # The first call waits for every worker to be ready: a call's time limit counts the call, not a start-up.
+        calling = False
+        decided = failed = 0
+        while waiting or any(slot.call is not None for slot in slots):
+            calling = calling or all(slot.ready for slot in slots)
+            for slot in slots if calling else ():
+                if waiting and slot.process is None:
+                    slot.start(self._pickled)
+                elif waiting and slot.ready and slot.call is None:
+                    call = waiting.popleft()
+                    slot.send(call, pairs[call], timeout_s)
+            for call, verdict in self._next_verdicts(slots, timeout_s, interrupted):
+                verdicts[call] = verdict
+                decided += 1
+                failed += verdict[0] is None
+            if decided >= len(slots) and failed > max_failure_frac * decided:
+                return self._break_circuit(verdicts, slots, decided, failed, max_failure_frac)
         return verdicts
 
     def close(self) -> None:
-        if self._process is not None:
-            stop_worker(self._process)
-            self._process = None
-            self._buffer = b""
+        for slot in self._workers:
+            slot.stop()
 
-    def _late_or_crashed(self, timeout_s: float) -> str:
-        """Why the call in flight has no verdict; its worker is gone after this."""
-        crashed = self._process.poll() is not None
-        self.close()
-        if crashed:
-            return "crashed its worker process (its error is above)"
-        return f"took over rl.reward_timeout_s = {timeout_s:g} s and was stopped"
-
-    def _ready_worker(self, interrupted: Callable[[], bool]) -> subprocess.Popen:
-        if self._process is not None:
-            return self._process
-        # The parent's import path, so that the worker finds the reward's module as the parent did.
-        path = [entry or os.getcwd() for entry in sys.path]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", "from megacispo.data.rewards import serve; serve()", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._process.stdin.write(self._pickled)
-        self._process.stdin.flush()
-        if self._receive(WORKER_STARTUP_TIMEOUT_S, interrupted) != _READY:
-            why = "exited (its error is above)" if self._process.poll() is not None else \
-                f"sent nothing for {WORKER_STARTUP_TIMEOUT_S:.0f} s"
+    def _next_verdicts(self, slots: list[_Worker], timeout_s: float,
+                       interrupted: Callable[[], bool]) -> list[tuple[int, Verdict]]:
+        """The verdicts that come in within ``POLL_S`` or are late by then, and the workers that became ready."""
+        if interrupted():
             self.close()
-            raise RuntimeError(
-                f"the worker process of reward {self.name!r} {why} before its first call; check that the reward's "
-                "module imports in a fresh `python -c 'import ...'`"
-            )
-        return self._process
+            raise ScoringInterrupted(f"reward {self.name!r}: scoring stopped by SIGTERM")
+        watched = [slot for slot in slots if slot.waited_for]
+        left = min(slot.deadline for slot in watched) - time.monotonic()
+        readable, _, _ = select.select([slot.process.stdout for slot in watched], [], [], max(min(left, POLL_S), 0))
+        verdicts = []
+        for slot in watched:
+            messages = slot.read() if slot.process.stdout in readable else []
+            if messages is None:
+                if not slot.ready:
+                    self._fail_start("exited (its error is above)")
+                verdicts.append((slot.call, (None, "crashed its worker process (its error is above)", "")))
+                slot.stop()
+                continue
+            for message in messages:
+                if slot.ready:
+                    verdicts.append((slot.call, (*message, "")))
+                    slot.call = None
+                else:
+                    slot.ready = message == _READY
+            if slot.waited_for and time.monotonic() >= slot.deadline:
+                if not slot.ready:
+                    self._fail_start(f"sent nothing for {WORKER_STARTUP_TIMEOUT_S:.0f} s")
+                verdicts.append((slot.call, (None, f"took over rl.reward_timeout_s = {timeout_s:g} s and was stopped",
+                                             LATE)))
+                slot.stop()
+        return verdicts
 
-    def _receive(self, timeout_s: float, interrupted: Callable[[], bool]):
-        """The worker's next message; None when it sends none within ``timeout_s`` or has died."""
-        deadline = time.monotonic() + timeout_s
-        stdout = self._process.stdout.fileno()
-        while True:
-            if len(self._buffer) >= _LENGTH.size:
-                (size,) = _LENGTH.unpack_from(self._buffer)
-                if len(self._buffer) >= _LENGTH.size + size:
-                    message = pickle.loads(self._buffer[_LENGTH.size:_LENGTH.size + size])
-                    self._buffer = self._buffer[_LENGTH.size + size:]
-                    return message
-            if interrupted():
-                self.close()
-                raise ScoringInterrupted(f"reward {self.name!r}: scoring stopped by SIGTERM")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            readable, _, _ = select.select([stdout], [], [], min(left, POLL_S))
-            if readable:
-                data = os.read(stdout, 1 << 16)
-                if not data:
-                    return None
-                self._buffer += data
+    def _break_circuit(self, verdicts: list[Verdict | None], slots: list[_Worker], decided: int, failed: int,
+                       max_failure_frac: float) -> list[Verdict]:
+        """``verdicts`` with the calls not decided yet failed (those in flight stopped)."""
+        for slot in slots:
+            if slot.call is not None:
+                slot.stop()
+        late = sum(verdict is not None and verdict[2] == LATE for verdict in verdicts)
+        why = (f"was not called: {failed} of the first {decided} calls failed ({late} of them late), more than "
+               f"rl.max_reward_failure_frac = {max_failure_frac}")
+        logger.warning("reward %s failed on %d of its first %d calls (%d late), more than rl.max_reward_failure_frac "
+                       "= %s: the other %d of the batch are not made and count as failures", self.name, failed,
+                       decided, late, max_failure_frac, len(verdicts) - decided)
+        return [(None, why, NOT_CALLED) if verdict is None else verdict for verdict in verdicts]
+
+    def _fail_start(self, why: str) -> None:
+        self.close()
+        raise RuntimeError(
+            f"the worker process of reward {self.name!r} {why} before its first call; check that the reward's "
+            "module imports in a fresh `python -c 'import ...'`"
+        )
 
 
-_workers: dict[bytes, RewardWorker] = {}
+_pools: dict[bytes, RewardPool] = {}
 
 
-def reward_worker(reward_fn: RewardFn) -> RewardWorker:
-    """The worker process of ``reward_fn`` in this process, started at its first batch."""
+def reward_pool(reward_fn: RewardFn) -> RewardPool:
+    """The worker processes of ``reward_fn`` in this process, started at its first batch."""
     try:
         pickled = pickle.dumps(reward_fn)
     except (pickle.PicklingError, AttributeError, TypeError) as error:
@@ -506,12 +608,12 @@ def reward_worker(reward_fn: RewardFn) -> RewardWorker:
             f"reward {getattr(reward_fn, '__name__', reward_fn)!r} cannot run in a worker process ({error}); define "
             "it at the top level of a module (rl.reward = 'module:function')"
         ) from error
-    if pickled not in _workers:
-        _workers[pickled] = RewardWorker(reward_fn, pickled)
-    return _workers[pickled]
+    if pickled not in _pools:
+        _pools[pickled] = RewardPool(reward_fn, pickled)
+    return _pools[pickled]
 
 
 @atexit.register
-def _close_workers() -> None:
-    for worker in _workers.values():
-        worker.close()
+def _close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()

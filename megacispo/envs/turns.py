@@ -9,13 +9,18 @@ conversation is over (the environment said done, ``env.max_turns`` is reached, o
 Every call (reset and step) has ``env.timeout_s``, counted from when it is handed to the workers. A
 call that raises, returns something malformed (``check_step``) or is late fails its sample: the
 sample's conversation ends there, its reward is rl.failure_reward and it counts with the reward
-failures. A late call's thread is abandoned (Python cannot stop a thread; it is a daemon, so it
-never holds the process's exit): an environment whose calls may hang should run them in a process it
-can kill, as the built-in python tool does (megacispo.envs.sandbox).
+failures. As every call's time counts from its hand-over, calls waiting for a thread included, a
+rollout whose environment hangs on every call fails all its samples within ``env.timeout_s`` of
+their calls, however many there are. A late call that has not started is never run; one that has
+keeps its thread (Python cannot stop a thread; it is a daemon, so it never holds the process's exit),
+and a fresh thread takes that thread's place in the pool, so calls that never return cost threads,
+not the pool's capacity: an environment whose calls may hang should run them in a process it can
+kill, as the built-in python tool does (megacispo.envs.sandbox).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -25,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from megacispo.data.chat import ReplyRenderer
 from megacispo.data.prompts import PromptRecord
-from megacispo.data.rewards import RewardScores
+from megacispo.data.rewards import LATE, RewardScores
 from megacispo.envs.base import EnvFactory, Environment, check_messages, check_step, make_environment
 from megacispo.envs.config import EnvConfig
 
@@ -33,30 +38,64 @@ logger = logging.getLogger(__name__)
 
 
 class EnvWorkers:
-    """``workers`` daemon threads that run calls handed to them; each result comes back with its tag."""
+    """``workers`` daemon threads that run calls handed to them; each result comes back with its tag. A
+    call given up on (``abandon``) is not run if it has not started; if it has, its thread leaves the
+    pool, to end when the call returns, and a fresh one takes its place."""
 
     def __init__(self, workers: int):
         self._calls: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._serve, daemon=True, name=f"env-worker-{i}")
-                         for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+        self._lock = threading.Lock()
+        self._queued: set = set()
+        self._running: dict[Any, threading.Thread] = {}
+        self._names = itertools.count()
+        self._threads: list[threading.Thread] = []
+        for _ in range(workers):
+            self._add_thread()
+
+    def _add_thread(self) -> None:
+        thread = threading.Thread(target=self._serve, daemon=True, name=f"env-worker-{next(self._names)}")
+        self._threads.append(thread)
+        thread.start()
 
     def _serve(self) -> None:
+        me = threading.current_thread()
         while True:
             call = self._calls.get()
             if call is None:
                 return
             tag, fn = call
+            with self._lock:
+                if tag not in self._queued:
+                    continue  # abandoned before it started
+                self._queued.remove(tag)
+                self._running[tag] = me
             started = time.monotonic()
             try:
                 result, error = fn(), None
             except Exception as raised:  # an environment's error is its sample's failure
                 result, error = None, f"raised {type(raised).__name__}: {raised}"
+            with self._lock:
+                self._running.pop(tag, None)
+                replaced = me not in self._threads
             self._results.put((tag, result, error, time.monotonic() - started))
+            if replaced:
+                return
+
+    def abandon(self, tags: Iterable[Any]) -> None:
+        """Give up on the calls ``tags`` (late): those not started are never run, and the thread of each
+        one running is replaced (all of them marked first, so that no fresh thread starts one of them)."""
+        with self._lock:
+            self._queued.difference_update(tags)
+            stuck = [self._running.pop(tag) for tag in tags if tag in self._running]
+            for thread in stuck:
+                self._threads.remove(thread)
+            for _ in stuck:
+                self._add_thread()
 
     def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
+        with self._lock:
+            self._queued.add(tag)
         self._calls.put((tag, fn))
 
     def results(self, timeout_s: float = 0.0) -> list[tuple[Any, Any, str | None, float]]:
@@ -72,7 +111,9 @@ class EnvWorkers:
 
     def close(self) -> None:
         """Stop the threads once their current calls return (a hung call's thread stays, a daemon)."""
-        for _ in self._threads:
+        with self._lock:
+            threads = len(self._threads)
+        for _ in range(threads):
             self._calls.put(None)
 
 
@@ -243,14 +284,15 @@ class Conversations:
                     conversation.metrics[name] = conversation.metrics.get(name, 0.0) + value
             done.append((sample, result))
         now = time.monotonic()
-        for sample, deadline in list(self._deadlines.items()):
-            if now >= deadline:
-                del self._deadlines[sample]
-                conversation = self.conversations[sample]
-                conversation.timed_out = True
-                conversation.env_seconds += self.config.timeout_s
-                self._fail(sample, f"took over env.timeout_s = {self.config.timeout_s:g} s")
-                done.append((sample, None))
+        late = [sample for sample, deadline in self._deadlines.items() if now >= deadline]
+        self.workers.abandon([(id(self), sample, self._submitted[sample]) for sample in late])
+        for sample in late:
+            del self._deadlines[sample]
+            conversation = self.conversations[sample]
+            conversation.timed_out = True
+            conversation.env_seconds += self.config.timeout_s
+            self._fail(sample, f"took over env.timeout_s = {self.config.timeout_s:g} s")
+            done.append((sample, None))
         return done
 
     def _wait_all(self) -> list[tuple[int, Any]]:
@@ -295,14 +337,18 @@ def combine_rewards(mode: str, conversations: Conversations, scores: RewardScore
                     failure_reward: float) -> RewardScores:
     """The samples' rewards as env.reward says: the environment's (env), rl.reward's ``scores`` of the
     final turns (reward), or both added (sum). A sample whose environment or verifier failed gets
-    ``failure_reward`` and counts as one failure."""
-    rewards, failures = [], []
+    ``failure_reward`` and counts as one failure, with its cause (a late environment call's is LATE)."""
+    rewards, failures, causes = [], [], []
     for index, (env_reward, env_failure) in enumerate(zip(conversations.rewards(), conversations.failures())):
         failure = env_failure or (scores.failures[index] if scores is not None else "")
         total = (0.0 if mode == "reward" else env_reward or 0.0) + (0.0 if mode == "env" else scores.rewards[index])
         rewards.append(failure_reward if failure else total)
         failures.append(failure)
-    return RewardScores(rewards, tuple(failures))
+        if env_failure:
+            causes.append(LATE if conversations.conversations[index].timed_out else "")
+        else:
+            causes.append(scores.causes[index] if scores is not None and scores.causes else "")
+    return RewardScores(rewards, tuple(failures), tuple(causes))
 
 
 def sum_metrics(per_sample: Iterable[dict[str, float]]) -> dict[str, float]:

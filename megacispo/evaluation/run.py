@@ -9,7 +9,6 @@ from megacispo.checkpoint.distributed import CheckpointError, load_checkpoint
 from megacispo.checkpoint.hf import load_hf_weights
 from megacispo.config import Config
 from megacispo.data.prompts import PromptRecord
-from megacispo.data.rewards import get_reward_fn
 from megacispo.data.tokenizer import Tokenizer
 from megacispo.evaluation.evaluator import Evaluator
 from megacispo.evaluation.source import WeightsSource, eval_log_dir
@@ -40,7 +39,7 @@ def load_model(config: Config, source: WeightsSource):
 def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
     """The metrics of megacispo.evaluation.evaluator on every rank, rewarded by rl.reward (and env.name's
     environment, as a run's rollouts are)."""
-    scoring = Scoring(get_reward_fn(config.rl.reward), config.rl.failure_reward, config.rl.reward_timeout_s)
+    scoring = Scoring.from_config(config.rl)
     # Over DP x CP: decoding never splits a sequence, so each CP rank takes test prompts of its own.
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return Evaluator(model, tokenizer, records, dp_cp, settings=config.eval,

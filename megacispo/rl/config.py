@@ -87,9 +87,11 @@ class RLConfig:
     failure_reward: float = 0.0
     """The reward of a sample whose verifier raised or returned no number (a string, even '1.0', is none)."""
     max_reward_failure_frac: float = ranged(0.5, Range(0, 1, note="1: never stop"))
-    """Stop the run when the verifier fails on more than this fraction of a step's samples (1: never)."""
+    """Stop the run when the verifier fails on more than this fraction of a step's samples, checked after each sampling round (1: never)."""
     reward_timeout_s: float = ranged(30.0, POSITIVE)
     """The most one reward call may take; a later one is stopped (its worker process killed) and counts as a failure."""
+    reward_workers: int = ranged(4, AT_LEAST_1)
+    """Reward calls at once, each in a worker process (per rank); a batch makes no more calls once more than max_reward_failure_frac of those decided (at least this many) failed."""
     overlong_max_length: int = ranged(0, Range(0, note="0: off"))
     """DAPO overlong shaping: responses longer than this get the full penalty (0: off)."""
     overlong_cache_length: int = ranged(0, AT_LEAST_0)

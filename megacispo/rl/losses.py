@@ -32,6 +32,7 @@ from typing import Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce as all_reduce_differentiable
 
 # exp(88.7) overflows fp32: a token the rollout engine sampled at a tiny probability (log-ratio in
 # the hundreds) would make r = inf and the loss or its gradient inf/NaN. exp(20) ~ 4.9e8 is finite
@@ -65,12 +66,18 @@ class GlobalCounts:
 @dataclass(frozen=True)
 class Sequences:
     """Which sequence each position of a [batch, seq] micro-batch belongs to: one per row (right-padded
-    rows, ``Sequences.rows``) or several (packed rows). Every per-sequence quantity goes through it."""
+    rows, ``Sequences.rows``) or several (packed rows). Every per-sequence quantity goes through it.
+
+    Under context parallelism each rank of ``group`` holds a piece of every sequence of the packed row
+    (the same ids and count on each: megacispo.training.packing): ``sum`` is then taken over the group,
+    so that a sequence's ratio or token count is that of the whole sequence, on every rank."""
 
     ids: torch.Tensor
     """[batch, seq] int64 in 0..count - 1, non-decreasing in row-major order."""
     count: int
     """Sequences of the micro-batch (a packed row's trailing padding counts as one)."""
+    group: dist.ProcessGroup | None = None
+    """The context-parallel ranks holding the other pieces of these sequences; None: each is whole here."""
 
     @classmethod
     def rows(cls, like: torch.Tensor) -> Sequences:
@@ -78,15 +85,35 @@ class Sequences:
         batch, seq = like.shape
         return cls(torch.arange(batch, device=like.device)[:, None].expand(batch, seq), batch)
 
+    def split_over(self, group: dist.ProcessGroup) -> Sequences:
+        """These sequences with pieces on every rank of ``group`` (context parallelism); a group of one
+        rank holds them whole."""
+        return dataclasses.replace(self, group=group if group.size() > 1 else None)
+
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """[count]: the sum of [batch, seq] ``values`` over each sequence's positions."""
+        """[count]: the sum of [batch, seq] ``values`` over each sequence's positions on every rank of
+        ``group``. Differentiable: every rank's loss depends on every rank's positions, so the backward
+        sums the gradients over the group too."""
+        totals = self.partial_sum(values)
+        return totals if self.group is None else all_reduce_differentiable(totals, group=self.group)
+
+    def partial_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[count]: the sum of [batch, seq] ``values`` over each sequence's positions on this rank only
+        (this rank's share of a sum over the group)."""
         if values.dtype == torch.bool:
             values = values.long()
         return values.new_zeros(self.count).index_add(0, self.ids.reshape(-1), values.reshape(-1))
 
+    def count_with(self, mask: torch.Tensor) -> torch.Tensor:
+        """int64 scalar: the sequences with a position in bool [batch, seq] ``mask`` on any rank of
+        ``group``, counted by its first rank only (the others hold the same sequences), so that a sum
+        over the ranks counts each sequence once."""
+        present = (self.sum(mask) > 0).sum()
+        return present if self.group is None or self.group.rank() == 0 else torch.zeros_like(present)
+
     def cumsum(self, values: torch.Tensor) -> torch.Tensor:
-        """[batch, seq]: the running sum of ``values`` within each sequence."""
-        totals = self.sum(values)
+        """[batch, seq]: the running sum of ``values`` within each sequence's positions on this rank."""
+        totals = self.partial_sum(values)
         running = values.reshape(-1).cumsum(0).view(values.shape)
         return running - (totals.cumsum(0) - totals)[self.ids]
 
@@ -111,9 +138,11 @@ def compute_global_counts(
         loss_masks: the loss mask of every micro-batch of the step on this rank, each [batch, seq].
         old_logprobs: the matching old log-probs; tokens with a non-finite one are not counted,
             exactly as ``compute_policy_loss`` drops them.
-        group: the data-parallel group to sum the counts over. None means no reduction (a single
-            data-parallel rank); unlike torch.distributed, None does NOT mean the world group.
-        sequences: each micro-batch's ``Sequences``; None: one sequence per row.
+        group: the data-parallel group to sum the counts over (DP x CP under context parallelism). None
+            means no reduction (a single data-parallel rank); unlike torch.distributed, None does NOT mean
+            the world group.
+        sequences: each micro-batch's ``Sequences``; None: one sequence per row. A sequence split over
+            context-parallel ranks (``Sequences.group``) is counted once.
 
     Every micro-batch loss divided by these counts sums, over micro-batches and DP ranks, to the
     loss of the whole step's batch (the module docstring states the invariant). Under pipeline
@@ -154,7 +183,7 @@ def _sum_counts(
     num_sequences = torch.zeros_like(num_tokens)
     for valid, members in zip(valid_masks, sequences, strict=True):
         num_tokens = num_tokens + valid.sum()
-        num_sequences = num_sequences + (members.sum(valid) > 0).sum()
+        num_sequences = num_sequences + members.count_with(valid)
     if group is not None:
         # One collective for both counts; int64 keeps them exact at any batch size.
         counts = torch.stack([num_tokens, num_sequences])
@@ -174,7 +203,9 @@ def aggregate_loss(
 
     token_mean:    sum over valid tokens / counts.num_tokens  (CISPO, DAPO: every token weighs the same)
     sequence_mean: sum over sequences of (mean over the sequence's valid tokens) / counts.num_sequences
-                   (original GRPO); each sequence whole in this micro-batch.
+                   (original GRPO); each sequence whole in this micro-batch, or split over the context-parallel
+                   ranks of ``sequences.group``: then each rank's share is its positions' sum over the whole
+                   sequence's token count, and the shares sum over the ranks to the sequence's mean.
     The counts are clamped to 1 so an all-masked step gives 0, not NaN.
     """
     # where, not multiply: a NaN or inf at a masked position times 0 would still be NaN.
@@ -183,7 +214,7 @@ def aggregate_loss(
         return masked_loss.sum() / counts.num_tokens.clamp(min=1)
     if mode == "sequence_mean":
         tokens_per_sequence = sequences.sum(valid_mask).clamp(min=1)
-        return (sequences.sum(masked_loss) / tokens_per_sequence).sum() / counts.num_sequences.clamp(min=1)
+        return (sequences.partial_sum(masked_loss) / tokens_per_sequence).sum() / counts.num_sequences.clamp(min=1)
     raise ValueError(f"aggregation mode {mode!r} is unknown; valid modes: {', '.join(AGGREGATION_MODES)}")
 
 
@@ -653,7 +684,8 @@ def gspo_loss(inputs: PolicyLossInputs, *, eps_low: float = 3e-4, eps_high: floa
     ratio left [1 - eps_low, 1 + eps_high] on the side its advantage favours gets none. The paper's
     bounds are this small because s averages out the token ratios' noise. Each token carries its
     sequence's loss, so the per-sequence mean of ``sequence_mean`` is that loss. Each sequence must
-    be whole in its micro-batch, as for grpo.
+    be whole in its micro-batch, as for grpo (its pieces on context-parallel ranks are summed over them:
+    ``Sequences.sum``).
     """
     valid, sequences = inputs.valid_mask, inputs.sequences
     num_tokens = sequences.sum(valid).clamp(min=1)

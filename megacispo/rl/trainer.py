@@ -36,7 +36,7 @@ from megacispo.checkpoint.hf import load_start_weights
 from megacispo.config import Config, to_dict
 from megacispo.data.padding import pad_right
 from megacispo.data.prompts import PromptRecord, PromptSampler
-from megacispo.data.rewards import RewardFailureError, RewardScores, get_reward_fn
+from megacispo.data.rewards import RewardFailureError, RewardScores
 from megacispo.data.tokenizer import Tokenizer
 from megacispo.envs.turns import sum_metrics
 from megacispo.evaluation.evaluator import Evaluator
@@ -131,6 +131,10 @@ class RolloutTally:
     """Samples stopped by early truncation."""
     failures: float = 0.0
     """Samples whose verifier failed."""
+    late: float = 0.0
+    """Of them, samples whose reward or environment call ran out of time."""
+    not_called: float = 0.0
+    """Of them, samples whose reward the circuit breaker left out (megacispo.data.rewards.RewardPool)."""
     first_failure: str = ""
     """The first verifier failure's text (empty: none)."""
     env_sums: dict[str, float] = field(default_factory=dict)
@@ -216,8 +220,7 @@ class Trainer:
         self.logger = logger
         # What loading did to the prompts (data/*: skipped or truncated for length), logged with the first evaluation.
         self.prompt_metrics = prompt_metrics or {}
-        self.reward_fn = get_reward_fn(config.rl.reward)
-        self.scoring = Scoring(self.reward_fn, config.rl.failure_reward, config.rl.reward_timeout_s, self._stop_pending)
+        self.scoring = Scoring.from_config(config.rl, self._stop_pending)
         # env.name: every sample is a conversation with its own environment; None: single-turn.
         self.environments = Environments.build(config.env, tokenizer, config.data.chat_template)
         self.sampler = PromptSampler(train_records, seed=config.train.seed)
@@ -322,6 +325,7 @@ class Trainer:
                                                                                   self.dp_rank, quota)
             tally.env_sums = sum_metrics([tally.env_sums, *env_metrics])
             rewards = self._shape_rewards(samples, scores, tally)
+            self._check_reward_health(tally)
             advantages = group_relative_advantages(rewards, group_size, eps=self.config.rl.advantage_eps)
             keep = dynamic_sampling_keep_mask(rewards, group_size) if rollout.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
             keep_flags = keep.tolist()  # one copy to the host for all the groups
@@ -335,7 +339,6 @@ class Trainer:
                 break
         chosen = (kept + spare)[:quota]
         metrics = self._rollout_metrics(tally, chosen)
-        self._check_reward_health(metrics["rollout/reward_failure_frac"], tally.first_failure)
         batch = self._to_train_batch(chosen)
         if self.config.train.pack_sequences and self.config.train.balance_data_parallel and self.dp_size > 1:
             batch, metrics["perf/dp_token_spread"] = self._balance_over_dp(batch)
@@ -382,6 +385,8 @@ class Trainer:
         tally.lengths.append(samples.response_lengths.float())
         tally.truncated += float(samples.truncated_early.sum())
         tally.failures += scores.num_failures
+        tally.late += scores.num_late
+        tally.not_called += scores.num_not_called
         tally.first_failure = tally.first_failure or scores.first_failure
         return rewards
 
@@ -469,15 +474,26 @@ class Trainer:
         totals = sum_metrics(parts)
         return {name: value / num_samples for name, value in sorted(totals.items())}
 
-    def _check_reward_health(self, failure_frac: float, first_failure: str) -> None:
-        """Stop when the verifier failed on too many of the step's samples. The fraction is reduced
-        over the data-parallel ranks, so every rank stops at the same step."""
+    def _check_reward_health(self, tally: RolloutTally) -> None:
+        """Stop when the verifier failed on too many of the step's samples so far, checked after each
+        sampling round: a reward that fails a round stops the run there, not rollout.max_sampling_rounds
+        rounds later. The counts are reduced over the data-parallel ranks, so every rank stops at the
+        same round."""
+        counts = torch.tensor([tally.failures, tally.late, tally.not_called, float(sum(map(len, tally.rewards)))],
+                              dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(counts, group=self.dp_group)
+        failures, late, not_called, samples = counts.tolist()
+        failure_frac = failures / samples
         if failure_frac <= self.config.rl.max_reward_failure_frac:
             return
         first_failures: list = [None] * self.dp_size
-        dist.all_gather_object(first_failures, first_failure, group=self.dp_group)
+        dist.all_gather_object(first_failures, tally.first_failure, group=self.dp_group)
+        time_limits = f"rl.reward_timeout_s = {self.config.rl.reward_timeout_s:g} s"
+        if self.environments is not None:
+            time_limits += f" or env.timeout_s = {self.config.env.timeout_s:g} s"
         raise RewardFailureError(self.config.rl.reward, failure_frac, self.config.rl.max_reward_failure_frac,
-                                 next(text for text in first_failures if text))
+                                 next(text for text in first_failures if text), late=round(late),
+                                 not_called=round(not_called), time_limits=time_limits)
 
     def correct_rollout_gap(self, batch: TrainBatch) -> dict[str, float]:
         """The gap between the rollout's log-probs and the training engine's old log-probs, measured
@@ -607,8 +623,11 @@ class Trainer:
         loss_config = self.config.rl.loss
         temperature = self.config.rollout.temperature
         micro_batches = self._micro_batches(mini_batch)
+        # Under CP each rank holds pieces of its rows' sequences: their per-sequence sums span the CP ranks.
+        cp = self.engine.groups.cp
         counts = compute_global_counts([m.loss_mask for m in micro_batches], [m.old_logprobs for m in micro_batches],
-                                       group=self.engine.groups.dp_cp, sequences=[m.sequences for m in micro_batches])
+                                       group=self.engine.groups.dp_cp,
+                                       sequences=[m.sequences.split_over(cp) for m in micro_batches])
         scale = self.engine.loss_scale_for_schedule(len(micro_batches))
         loss_params = loss_config.params if self.adaptive_clip is None else self.adaptive_clip.params()
 
@@ -618,7 +637,7 @@ class Trainer:
             def loss_func(output):
                 logprobs, entropy = self.engine.token_logprobs(output, micro.predicted, micro.loss_mask,
                                                                 temperature, compute_entropy=True)
-                sequences = micro.sequences
+                sequences = micro.sequences.split_over(cp)
                 loss, metrics = compute_policy_loss(loss_config.name, logprobs, micro.old_logprobs, micro.advantages,
                                                     micro.loss_mask, counts, micro.token_weights, sequences,
                                                     **loss_params)

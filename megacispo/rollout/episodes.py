@@ -13,11 +13,12 @@ from tqdm import tqdm
 
 from megacispo.data.chat import ReplyRenderer
 from megacispo.data.prompts import PromptRecord, prompt_token_ids
-from megacispo.data.rewards import RewardFn, RewardScores, score_responses
+from megacispo.data.rewards import RewardFn, RewardScores, get_reward_fn, score_responses
 from megacispo.data.tokenizer import Tokenizer
 from megacispo.envs.base import EnvFactory, get_environment_factory
 from megacispo.envs.config import EnvConfig
 from megacispo.envs.turns import Conversations, EnvWorkers, build_renderer, combine_rewards
+from megacispo.rl.config import RLConfig
 from megacispo.rollout.config import RolloutConfig
 from megacispo.rollout.generate import Samples, generate, response_token_ids
 
@@ -43,13 +44,24 @@ class Environments:
 
 @dataclass(frozen=True)
 class Scoring:
-    """How responses are scored: rl.reward, rl.failure_reward, rl.reward_timeout_s and env.reward."""
+    """How responses are scored: rl.reward, rl.failure_reward, rl.reward_timeout_s, rl.reward_workers,
+    rl.max_reward_failure_frac (the circuit breaker of a batch) and env.reward."""
 
     reward_fn: RewardFn
     failure_reward: float
     timeout_s: float
     stop_pending: Callable[[], bool] = lambda: False
     """Whether this rank was told to stop, for a reward call in flight."""
+    workers: int = 1
+    """Reward calls at once, each in a worker process (rl.reward_workers)."""
+    max_failure_frac: float = 1.0
+    """The circuit breaker's fraction of failed calls (rl.max_reward_failure_frac; 1: off)."""
+
+    @classmethod
+    def from_config(cls, rl: RLConfig, stop_pending: Callable[[], bool] = lambda: False) -> Scoring:
+        """The scoring of the rl section, its reward imported now."""
+        return cls(get_reward_fn(rl.reward), rl.failure_reward, rl.reward_timeout_s, stop_pending, rl.reward_workers,
+                   rl.max_reward_failure_frac)
 
 
 def response_text(tokenizer: Tokenizer, samples: Samples, row: int) -> str:
@@ -86,7 +98,8 @@ def sample_and_score(
             texts = conversations.final_texts() if conversations is not None else \
                 [response_text(tokenizer, samples, row) for row in range(len(prompts))]
             scores = score_responses(scoring.reward_fn, texts, records, scoring.failure_reward,
-                                     timeout_s=scoring.timeout_s, interrupted=scoring.stop_pending)
+                                     timeout_s=scoring.timeout_s, workers=scoring.workers,
+                                     max_failure_frac=scoring.max_failure_frac, interrupted=scoring.stop_pending)
     finally:
         # Every rank agrees here, after scoring: a SIGTERM that stopped one rank's scoring stops them all.
         if interrupt is not None:

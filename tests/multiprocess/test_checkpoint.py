@@ -397,6 +397,43 @@ def test_ep1_checkpoint_resumes_at_ep2(ep1_run):
 
 
 # ---------------------------------------------------------------------------------------------
+# The optimizer state a save gathers
+# ---------------------------------------------------------------------------------------------
+
+
+def _save_as_on_a_gpu(root: str) -> dict:
+    """TP=1 x DP=2, distributed optimizer, one step, then the save a GPU run makes (torch.cuda.is_available()
+    answers True, as there): the Adam moments each rank gathers for it and the bytes of its own shard of
+    them; then the checkpoint loaded into a fresh optimizer, and the moments it holds."""
+    from unittest import mock
+
+    _init({})
+    ddp_model, optimizer, scheduler = _build(distributed_optimizer=True)
+    _train_step(ddp_model, optimizer, scheduler, 1)
+    shard_bytes = sum(state[key].nbytes for sub in _chain(optimizer) for state in sub.optimizer.state.values()
+                      for key in ("exp_avg", "exp_avg_sq"))
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        gathered = _moments(ddp_model, optimizer)
+        save_checkpoint(root, 1, ddp_model, optimizer, scheduler, config_dict=CONFIG)
+    second_model, second_optimizer, second_scheduler = _build(distributed_optimizer=True)
+    load_checkpoint(checkpoint_dir(root, 1), second_model, second_optimizer, second_scheduler, load_rng=False)
+    return {"gathered": gathered, "shard_bytes": shard_bytes, "params": _params(ddp_model),
+            "loaded": _moments(second_model, second_optimizer)}
+
+
+def test_a_gpu_save_gathers_the_optimizer_state_on_data_parallel_rank_0_alone(tmp_path):
+    """The distributed optimizer's state reaches the host memory of DP rank 0 only (the whole of it, which
+    it writes); DP rank 1 gathers nothing beyond its own shard, and the checkpoint loads the same moments."""
+    saved = run_distributed(_save_as_on_a_gpu, 2, str(tmp_path))
+    gathered = [sum(piece.data.nbytes for piece in result["gathered"]) for result in saved]
+    num_params = sum(tensor.numel() for tensor in assemble([r["params"] for r in saved]).values())
+    # exp_avg and exp_avg_sq in float32 of every parameter, on rank 0; the ranks' own shards split them.
+    assert gathered == [2 * 4 * num_params, 0]
+    assert sum(result["shard_bytes"] for result in saved) == gathered[0]
+    assert _max_relative_error(assemble([r["gathered"] for r in saved]), assemble([r["loaded"] for r in saved])) == 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Crash safety
 # ---------------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ them), activation recompute, the Triton lightning kernel, anything under torch.c
 (``rollout.compile_decode``), dynamic sampling's extra rounds, checkpoint loading and resuming,
 score's checkpoint conversion and file I/O, convert.py, work on other threads, and on ``meta`` the
 block-wise lightning kernel, the mixers' and the MoE's forward (lightning checks its decay values,
-lightning.py ``_check_decay``; the MoE reads token counts with .tolist()). The guard does not see a
+lightning_checks.py ``check_decay``; the MoE reads token counts with .tolist()). The guard does not see a
 tensor placed with a ``torch.device("cpu")`` object outside the meta-checked math, tensors made
 outside torch's Python API (``torch.from_numpy``, ``torch.LongTensor(...)``), nor host tensors that
 Megatron-Core or torch make themselves (``host_memory_guard`` says why).
@@ -181,7 +181,7 @@ def _score_forward(trainer) -> None:
 
     model = trainer.engine.module.eval()
     try:
-        _sequence_logprobs(model, [1, 5, 6, 7, 8], trainer.engine.groups.tp)
+        _sequence_logprobs(model, [1, 5, 6, 7, 8], trainer.config.parallel)
     finally:
         model.train()
 

@@ -67,6 +67,9 @@ def _commands(path: Path) -> list[Command]:
         if line.endswith("\\"):
             continue
         text, pending = pending.strip(), ""
+        first = next((word for word in text.split() if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", word)), "")
+        if not first.startswith(PROGRAMS):
+            continue  # output shown in a code block (an error message, apostrophes and all), not a command
         words = shlex.split(text, comments=True)
         env = {}
         while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):

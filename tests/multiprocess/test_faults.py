@@ -55,6 +55,8 @@ def _argv(task: Path, run_dir: Path, *sets: str) -> list[str]:
         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 4,
         "rollout.max_sampling_rounds": 1000,
         "rl.updates_per_rollout": 8, "rl.reward": "megacispo.testing.fault_rewards:alternating_until_preempted",
+        # The reward counts its calls in its worker's globals: one worker sees them all.
+        "rl.reward_workers": 1,
         "optimizer.lr": 3e-3, "optimizer.decay_steps": 16,
         "train.run_dir": run_dir, "train.steps": 2, "train.micro_batch_size": 1, "train.checkpoint_every": 1,
         "train.keep_last": 5,

@@ -23,8 +23,8 @@ each sample gets a fixed advantage by its global row instead. One update per rol
 makes each rank's mini-batch its data-parallel share of the single-process one.
 
 The context-parallel layouts (CP 2 alone and with EP 2, TP 2 and PP 2) split every packed row of
-the training passes over two ranks, which generate their rollouts as replicas of their own; they run
-no metric hook and no scoring (both refuse CP).
+the training passes over two ranks, which generate their rollouts as replicas of their own, and
+megacispo.score splits each scored sequence over them alike; they run no metric hook (it refuses CP).
 
 The two expert-TP layouts are those of issue #24: TP 2 and EP 2 with expert TP 1 ("MoE parallel
 folding") on 2 processes, and with expert TP 2 on 4 (the dispatcher's uneven all-gathers,
@@ -77,8 +77,6 @@ def test_layout_gives_the_single_process_step_and_scores(layout_workspace, layou
     assert {rank["expert_tp"] for rank in run.ranks} == {layout.etp or layout.tp}
     assert_same_rollouts_and_old_logprobs(layout_reference, run, name)
     assert_same_update(layout_reference, run, name)
-    if layout.cp > 1:  # scoring runs each sequence whole on a rank: it refuses context parallelism
-        return
     for actual, expected in zip(run.scores, expected_scores, strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=LOGPROB_TOLERANCE)
 

@@ -27,7 +27,7 @@ from megacispo.data.rewards import (
     RewardFailureError,
     ScoringInterrupted,
     exact_match,
-    reward_worker,
+    reward_pool,
     score_responses,
 )
 from megacispo.testing.fault_rewards import REWARD_STARTED, beyond_float32, never_returns
@@ -55,7 +55,7 @@ def test_sigterm_stops_the_wait_for_a_reward_in_flight():
     with pytest.raises(ScoringInterrupted, match="never_returns"):
         score_responses(never_returns, ["2"], RECORDS[:1], 0.0, timeout_s=600, interrupted=told.is_set)
     assert time.monotonic() - started < 30
-    assert reward_worker(never_returns)._process is None, "the stuck worker is killed"
+    assert all(slot.process is None for slot in reward_pool(never_returns)._workers), "the stuck worker is killed"
 
 
 def test_a_reward_beyond_float32_is_a_failure_naming_the_value():

@@ -1,5 +1,6 @@
-"""Reward functions that inject faults, for tests/multiprocess/test_faults.py, test_async_rollout.py and
-test_reward_timeout.py (loaded by the trainer as ``megacispo.testing.fault_rewards:name``)."""
+"""Reward functions that inject faults, for tests/multiprocess/test_faults.py, test_async_rollout.py,
+test_reward_timeout.py and test_reward_deadline.py (loaded by the trainer as
+``megacispo.testing.fault_rewards:name``)."""
 
 import os
 import signal
@@ -50,6 +51,14 @@ def never_returns(response: str, record) -> float:
         open(os.environ[REWARD_STARTED], "a").close()
     while True:
         time.sleep(3600)
+
+
+def late_when_asked(response: str, record) -> float:
+    """Sleeps the record's ``sleep_s`` (an extra field) on a response "slow", then scores as exact_match
+    does: a reward that is late on the calls a test picks."""
+    if response == "slow":
+        time.sleep(float(record.extra["sleep_s"]))
+    return float(response.strip() == record.answer.strip())
 
 
 def beyond_float32(response: str, record) -> float:

@@ -41,7 +41,7 @@ class Layout:
     etp: int | None = None
     """None: expert TP follows TP."""
     cp: int = 1
-    """Context parallelism: no metric hooks and no scoring (both refuse it)."""
+    """Context parallelism: no metric hooks (they refuse it)."""
 
     def config_overrides(self) -> list[str]:
         fields = {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
@@ -102,9 +102,9 @@ def _run_overrides(workspace: Path, run_dir: Path, probe: bool = True) -> list[s
     return [f"{key}={value}" for key, value in pairs.items()]
 
 
-def _rl_step_then_score(overrides: list[str], score_argv: list[str] | None) -> dict:
+def _rl_step_then_score(overrides: list[str], score_argv: list[str]) -> dict:
     """In each rank: one RL step from the start weights (saved as the run's checkpoint afterwards),
-    then megacispo.score at the same layout (None: no scoring). Returns this rank's view of the step."""
+    then megacispo.score at the same layout. Returns this rank's view of the step."""
     from megatron.core import parallel_state
 
     from megacispo import score
@@ -151,8 +151,7 @@ def _rl_step_then_score(overrides: list[str], score_argv: list[str] | None) -> d
         "params": parameter_pieces(engine.module),
     }
     parallel_state.destroy_model_parallel()
-    if score_argv is not None:
-        score.run(score_argv)
+    score.run(score_argv)
     return result
 
 
@@ -170,7 +169,7 @@ class LayoutRun:
     ranks: list[dict]
     """Each rank's view of the RL step."""
     scores: list[torch.Tensor] | None
-    """megacispo.score's log-probs of SCORED; None: not scored (context parallelism)."""
+    """megacispo.score's log-probs of SCORED."""
     checkpoints: Path
     """The run's checkpoints root (its step's checkpoint)."""
 
@@ -181,12 +180,11 @@ def run_layout(workspace: Path, name: str, layout: Layout, scored_checkpoints: P
     run_dir = workspace / name
     checkpoints = run_dir / "checkpoints"
     out = run_dir / "scored.jsonl"
-    scored = layout.cp == 1
     score_argv = ["--load", str(scored_checkpoints or checkpoints), "--tokens", str(workspace / "scored.jsonl"),
-                  "--out", str(out), *layout.score_args()] if scored else None
-    overrides = _run_overrides(workspace, run_dir, probe=scored) + layout.config_overrides()
+                  "--out", str(out), *layout.score_args()]
+    overrides = _run_overrides(workspace, run_dir, probe=layout.cp == 1) + layout.config_overrides()
     ranks = run_distributed(_rl_step_then_score, layout.world_size, overrides, score_argv, timeout_s=600)
-    return LayoutRun(ranks, read_scores(out) if scored else None, checkpoints)
+    return LayoutRun(ranks, read_scores(out), checkpoints)
 
 
 def read_scores(path: Path) -> list[torch.Tensor]:

@@ -219,8 +219,6 @@ def test_compile_decode_refuses_a_layout_it_cannot_trace():
     [
         (["train.pack_sequences=false"], r"parallel.context_parallel_size = 2 splits packed rows over its ranks, but "
                                          r"train.pack_sequences is false"),
-        (["rl.loss.name=gspo"], r"parallel.context_parallel_size = 2 with rl.loss.name = gspo: that loss averages over "
-                                r"each sequence \(sequence_mean\)"),
         (["logging.metric_hooks.probe_token.token=x"], r"parallel.context_parallel_size = 2 with logging.metric_hooks"),
         (["placement.rollout_ranks=1"], r"parallel.context_parallel_size = 2 with placement.rollout_ranks = 1"),
     ],
@@ -228,6 +226,12 @@ def test_compile_decode_refuses_a_layout_it_cannot_trace():
 def test_context_parallelism_refuses_what_it_would_split(overrides, message):
     with pytest.raises(ValueError, match=message):
         run_config(None, ["parallel.context_parallel_size=2", *overrides])
+
+
+@pytest.mark.parametrize("loss", ["gspo", "grpo"])
+def test_context_parallelism_takes_the_sequence_mean_losses(loss):
+    """Their per-sequence sums span the CP ranks (tests/multiprocess/test_cp_score.py)."""
+    assert run_config(None, ["parallel.context_parallel_size=2", f"rl.loss.name={loss}"]).rl.loss.name == loss
 
 
 def test_context_parallel_ranks_share_the_prompts_of_their_data_parallel_rank():

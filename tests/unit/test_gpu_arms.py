@@ -27,7 +27,7 @@ ARMS = {
     ("models/lightning.py", "lightning_attention"): [
         f"{HERE}::test_lightning_attention_on_cuda_launches_the_triton_kernels",
         "tests/unit/test_lightning.py::test_blockwise_matches_recurrence"],
-    ("models/lightning.py", "_check_decay"): [
+    ("models/lightning_checks.py", "check_decay"): [
         f"{HERE}::test_lightning_attention_on_cuda_launches_the_triton_kernels",
         "tests/unit/test_lightning.py::test_bad_inputs_raise_value_error_naming_the_argument"],
     ("models/lightning_triton.py", "_check_runtime"): [
