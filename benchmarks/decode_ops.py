@@ -26,18 +26,83 @@ syncs (``.item()`` / ``.tolist()`` and data-dependent shapes) as counted by the 
 multi-process layouts, among them MiniMax-M1's (examples/configs/minimax_m1_512gpu.yaml: TP 8 with
 expert TP 8, EP 32 across TP groups) at 4 processes: TP 2, expert TP 2, EP 2.
 
+First it prints the bytes each GPU sends and receives per decode step for the MoE layers' expert
+parallelism at M1's layout (``ep_bytes_per_step``: across nodes and inside a node), for the lean
+step's scheme and the ones it was chosen over.
+
     .venv/bin/python benchmarks/decode_ops.py [--slots 1 16 64] [--experts 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import torch
 
 from megacispo.testing.harness import run_distributed
 
 PAD = 0
+M1_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "minimax_m1_512gpu.yaml"
+
+
+def ep_bytes_per_step(
+    hidden_size: int, slots: int, ep_size: int, expert_tp_size: int, topk: int, num_experts: int, moe_layers: int,
+    element_size: int,
+) -> dict[str, tuple[int, int]]:
+    """Bytes one GPU sends plus receives in a lean decode step's MoE layers under EP across attention TP
+    groups (``InProcessMoELayer._step_expert_parallel``; TP groups are nodes), per scheme: (across
+    nodes, inside a node). ``slots``: the rows b each rank steps; tokens of ``hidden_size`` elements of
+    ``element_size`` bytes. A collective moves data as a ring does: an all-gather or a reduce-scatter
+    of n rows a rank over G ranks sends (G - 1) n rows and receives as many, an all-reduce twice
+    (G - 1) n / G each way; a ring over EP ranks of T GPUs each, taking each node's GPUs in turn, brings
+    a row into each other node once, over one of its T GPUs' links. Schemes:
+
+    - all-gather + reduce-scatter: every GPU gathers the b rows of every EP rank (and scatters their
+      sums back) over EP, then the expert-TP shards' outputs are all-reduced (the step before the shares);
+    - all-to-all, fixed capacity: each token sent only to the EP ranks that hold its experts, with the
+      fixed shapes a step needs (no host sync, a CUDA graph) and no dropped token, so each
+      destination's buffer holds the worst case: a row per token, b (all b may choose one rank's
+      experts; the receiver routes them again), or a row per (token, expert) pair, b min(k, E / EP).
+      Its dispatch moves at least the all-gather's bytes, and its return the reduce-scatter's;
+    - shares over expert TP: where T divides b, each expert-TP rank gives its share s = b / T of the
+      rows to the all-gather and takes it from the reduce-scatter over the expert TP and EP group, and
+      an all-gather over expert TP joins the shares (the lean step); elsewhere the first scheme."""
+    row = hidden_size * element_size * moe_layers
+    ep, tp = ep_size - 1, expert_tp_size - 1
+    all_gather = (4 * ep * slots * row, 4 * tp * slots * row // expert_tp_size)
+    pair_rows = slots * min(topk, num_experts // ep_size)
+    share = slots // expert_tp_size
+    shares = (4 * ep * share * row, (4 * ep_size + 2) * tp * share * row) if slots % expert_tp_size == 0 else all_gather
+    return {
+        "all-gather + reduce-scatter of b rows": all_gather,
+        "all-to-all, a row per token (capacity b)": all_gather,
+        "all-to-all, a row per pair (capacity b min(k, E / EP))": (4 * ep * pair_rows * row, all_gather[1]),
+        "shares over expert TP (the lean step)": shares,
+    }
+
+
+def m1_decode_layout(path: Path = M1_CONFIG) -> dict:
+    """``ep_bytes_per_step``'s arguments at the M1 config's layout: its model, its ``# world size``, its
+    rollout slots (rollout.max_running, or all of a data-parallel rank's samples at once) in bf16."""
+    from megacispo.config import load_config
+
+    config = load_config(str(path))
+    world_size = int(re.search(r"^# world size: (\d+)$", path.read_text(), re.MULTILINE).group(1))
+    parallel, model, rollout = config.parallel, config.model, config.rollout
+    data_parallel = world_size // (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+                                   * parallel.context_parallel_size)
+    return {
+        "hidden_size": model.hidden_size,
+        "slots": rollout.max_running or rollout.prompts_per_step * rollout.group_size // data_parallel,
+        "ep_size": parallel.expert_model_parallel_size,
+        "expert_tp_size": parallel.expert_tp,
+        "topk": model.moe_router_topk,
+        "num_experts": model.num_experts,
+        "moe_layers": model.num_layers,
+        "element_size": torch.bfloat16.itemsize,
+    }
 
 
 def prompts_for(slots: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +226,15 @@ def main() -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--experts", type=int, default=32)
     args = parser.parse_args()
+    layout = m1_decode_layout()
+    print(f"M1's layout: EP {layout['ep_size']} across nodes, expert TP {layout['expert_tp_size']}, {layout['slots']} "
+          f"slots, hidden {layout['hidden_size']}, top-{layout['topk']} of {layout['num_experts']} experts, "
+          f"{layout['moe_layers']} MoE layers, bf16; GB each GPU sends + receives per decode step\n")
+    print("| scheme | across nodes | inside a node |")
+    print("|---|---:|---:|")
+    for scheme, (across_nodes, in_a_node) in ep_bytes_per_step(**layout).items():
+        print(f"| {scheme} | {across_nodes / 1e9:.3f} | {in_a_node / 1e9:.3f} |")
+    print()
     (rows,) = run_distributed(measure, 1, args.slots, args.experts, timeout_s=600.0)
     print(f"tiny model, {args.experts} experts, top-2; ops per layer per decode step (the most of any layer), "
           "host syncs per step\n")

@@ -67,6 +67,8 @@ from megacispo.models.layers import (
     ScaledResidual,
     StacksWeights,
     all_gather_rows,
+    reduce_scatter_rows,
+    scaled_residual,
     stack_weights_as_views,
     weight_places,
     weights_at,
@@ -273,7 +275,7 @@ def dense_expert_products(
     intermediate = F.silu(gate) * up
     intermediate = (intermediate * weights).to(intermediate.dtype)
     moe = torch.bmm(intermediate, fc2_weight.transpose(1, 2)).to(tokens.dtype).sum(dim=0)
-    return ScaledResidual(residual_scale, update_scale)(tokens, moe)
+    return scaled_residual(tokens, moe, residual_scale, update_scale)
 
 
 @functools.cache
@@ -553,7 +555,8 @@ class InProcessMoELayer(MoELayer):
         shapes and no host sync, where Megatron's all-to-all reads its split sizes on the host: the
         group's tokens are all-gathered, every rank routes all of them (the router is replicated) and
         runs its own experts on the pairs that chose them, and a reduce-scatter returns each rank the
-        sums for its rows. Runs forward where neither applies (EP without agreed rows, under autograd, ...)."""
+        sums for its rows (``_step_expert_parallel``: over the EP group, each expert-TP rank a share of
+        the rows). Runs forward where neither applies (EP without agreed rows, under autograd, ...)."""
         if torch.is_grad_enabled() or not self.steps_without_dispatcher(rows_agree):
             output, _ = self.forward(hidden[None])
             return residual(hidden, output[0])
@@ -565,37 +568,74 @@ class InProcessMoELayer(MoELayer):
                 routes.record_step(top_experts)
             output = step_experts(decode_experts, hidden, probs, top_experts, *self.experts.stacked_weights(),
                                   alpha, residual.beta)
+        elif self._ep_shares_tokens:
+            output = self._step_shared_tokens(hidden, routes, alpha, residual.beta)
         else:
-            output = self._step_expert_parallel(hidden, routes, alpha, residual.beta)
+            # The expert-TP ranks split the rows where they can (``_step_expert_parallel``).
+            shares = self._expert_tp_size if hidden.shape[0] % self._expert_tp_size == 0 else 1
+            output = self._step_expert_parallel(hidden, routes, alpha, residual.beta, shares)
+            if shares > 1:  # summed over expert TP too
+                return output
         if self._expert_tp_size == 1:  # one expert-TP rank: nothing to add, no autograd function's call
             return output
         return tensor_parallel.reduce_from_tensor_model_parallel_region(output, group=self.token_dispatcher.tp_group)
 
-    def _step_expert_parallel(self, hidden: torch.Tensor, routes, alpha: float, beta: float) -> torch.Tensor:
-        """``step``'s experts under EP: hidden [b, H] -> [b, H], ``alpha * hidden`` (the residual, from
-        the EP group's first rank, whose tokens hold every rank's rows) plus ``beta`` times the outputs of
-        this expert-TP shard's experts. An EP group within the attention TP group already shares its
-        tokens: its ranks add their experts' outputs with an all-reduce; any other gathers the group's
-        tokens and reduce-scatters the sums."""
-        batch, width = hidden.shape
-        if self._ep_shares_tokens:
-            tokens, own = hidden, slice(None)
-        else:
-            tokens = all_gather_rows(hidden, self.ep_group)  # [EP b, H]: the group's tokens, in rank order
-            own = slice(self._ep_rank * batch, (self._ep_rank + 1) * batch)
-        probs, top_experts = self._route_tokens(tokens)  # [n, k] each
+    def _step_shared_tokens(self, hidden: torch.Tensor, routes, alpha: float, beta: float) -> torch.Tensor:
+        """``step``'s experts under EP where the EP group lies within the attention TP group, whose ranks
+        hold the same tokens: hidden [b, H] -> [b, H], ``alpha * hidden`` (from the group's first rank)
+        plus ``beta`` times the outputs of this expert-TP shard's experts, added over the EP group with
+        an all-reduce: no gather."""
+        probs, top_experts = self._route_tokens(hidden)  # [b, k] each
         if routes is not None:
-            routes.record_step(top_experts[own])
-        local_experts = _local_expert_index(self.config.num_moe_experts, self.local_expert_indices[0],
-                                            self.num_local_experts, hidden.device)[top_experts]
-        partial = step_experts(local_expert_products, tokens, probs, local_experts, *self.experts.stacked_weights(),
-                               alpha, beta)
-        if self._ep_shares_tokens:
-            torch.distributed.all_reduce(partial, group=self.ep_group)
-            return partial
-        output = hidden.new_empty(batch, width)
-        torch.distributed.reduce_scatter_single(output, partial, group=self.ep_group)
-        return output
+            routes.record_step(top_experts)
+        partial = step_experts(local_expert_products, hidden, probs, self._local_experts(top_experts),
+                               *self.experts.stacked_weights(), alpha, beta)
+        torch.distributed.all_reduce(partial, group=self.ep_group)
+        return partial
+
+    def _step_expert_parallel(
+        self, hidden: torch.Tensor, routes, alpha: float, beta: float, shares: int
+    ) -> torch.Tensor:
+        """``step``'s experts under EP across attention TP groups (M1's EP 32 over nodes of TP 8):
+        hidden [b, H] -> [b, H], ``alpha * hidden`` plus ``beta`` times the routed experts' outputs,
+        summed over the EP group, and with ``shares`` = T (the expert TP size, which divides b) over the
+        expert TP group too; with ``shares`` = 1 this expert-TP shard's part (``step`` adds them).
+
+        ``shares`` = 1: the EP group's b rows a rank are all-gathered, each rank runs its experts on the
+        pairs that chose them, and a reduce-scatter returns each rank the sums for its rows.
+
+        ``shares`` = T: the expert-TP ranks hold the same b tokens and run shards of the same experts, so
+        each sends only its share: rank t gives rows [t s, (t + 1) s) (s = b / T) to one all-gather over
+        the expert TP and EP group (Megatron's ``tp_ep`` group, expert-TP rank fastest: the group its
+        all-gather dispatcher gathers over), which puts the EP ranks' rows in the same order, b a rank.
+        One reduce-scatter over that group sums each share over all shards and EP ranks to the rank
+        that gave it, and an all-gather over expert TP (for the all-reduce over it) puts a rank's b rows
+        together. Each row still crosses to another EP rank's node once each way, but from one GPU of
+        T: over EP each GPU sends and receives 1 / T of the bytes of gathering all b rows (M1: 8x fewer,
+        benchmarks/decode_ops.py's table), the rest moving inside a node. As many collectives either way.
+
+        Megatron's all-to-all moves fewer bytes only by reading its split sizes on the host. With fixed
+        shapes (no host sync, a CUDA graph) and no dropped token, an all-to-all's buffer to each EP rank
+        must hold all b rows (all b may choose that rank's experts): each rank sends and receives what
+        the all-gather moves, and the return what the reduce-scatter moves, so the step uses none."""
+        batch = hidden.shape[0]
+        share = batch // shares
+        group = self.token_dispatcher.tp_ep_group if shares > 1 else self.ep_group
+        first = self._expert_tp_rank % shares * share
+        tokens = all_gather_rows(hidden[first:first + share], group)  # [EP b, H]: each EP rank's rows in order
+        probs, top_experts = self._route_tokens(tokens)  # [EP b, k] each
+        if routes is not None:
+            routes.record_step(top_experts[self._ep_rank * batch:(self._ep_rank + 1) * batch])
+        partial = step_experts(local_expert_products, tokens, probs, self._local_experts(top_experts),
+                               *self.experts.stacked_weights(), alpha, beta)  # [EP b, H]
+        output = reduce_scatter_rows(partial, group)  # [s, H]: this rank's share, summed
+        return output if shares == 1 else all_gather_rows(output, self.token_dispatcher.tp_group)
+
+    def _local_experts(self, top_experts: torch.Tensor) -> torch.Tensor:
+        """The chosen experts [n, k] -> each one's index among this rank's experts, or their count
+        where another rank holds it (``local_expert_products``)."""
+        return _local_expert_index(self.config.num_moe_experts, self.local_expert_indices[0], self.num_local_experts,
+                                   top_experts.device)[top_experts]
 
     def _routes_in_process(self, intermediate_tensors) -> bool:
         return self._all_local and not torch.is_grad_enabled() and intermediate_tensors is None

@@ -9,6 +9,7 @@ hidden states between layers hold s / TP tokens of every sequence.
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,26 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.T
         return torch.tensor(value, dtype=dtype, device=device)
 
 
+# torch 2.13 names the flat collectives *_single (its old names warn); torch 2.11, the lent GPU image's,
+# has only the old names.
+all_gather_single = getattr(torch.distributed, "all_gather_single", torch.distributed.all_gather_into_tensor)
+reduce_scatter_single = getattr(torch.distributed, "reduce_scatter_single", torch.distributed.reduce_scatter_tensor)
+
+
 def all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
     """[n, ...] on each rank of ``group`` -> [size * n, ...]: every rank's rows, in rank order, in one
     collective (no copy after it; under torch.compile a graph node on any device)."""
     gathered = tensor.new_empty(group.size() * tensor.shape[0], *tensor.shape[1:])
-    torch.distributed.all_gather_single(gathered, tensor.contiguous(), group=group)
+    all_gather_single(gathered, tensor.contiguous(), group=group)
     return gathered
+
+
+def reduce_scatter_rows(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[size * n, ...] on each rank of ``group`` -> [n, ...]: rows [r n, (r + 1) n) summed over the group,
+    on rank r (``all_gather_rows``' reverse)."""
+    output = tensor.new_empty(tensor.shape[0] // group.size(), *tensor.shape[1:])
+    reduce_scatter_single(output, tensor, group=group)
+    return output
 
 
 def all_gather_columns(tensor: torch.Tensor, group, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -83,19 +98,25 @@ class ScaledResidual:
     beta: float
 
     def __call__(self, normed: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        """As one add with alpha; beta = 1 (MiniMax's value) skips that product: multiplying by 1 is exact."""
-        scaled_update = update if self.beta == 1.0 else scalar_operand(self.beta, update) * update
-        if torch.compiler.is_compiling():
-            # A compiled graph fuses the two ops anyway; inductor (torch 2.13) miscompiled add's alpha in
-            # the lean decode step (logits off by 10: tests/multiprocess/test_lean_decode.py).
-            return scalar_operand(self.alpha, normed) * normed + scaled_update
-        return torch.add(scaled_update, normed, alpha=self.alpha)
+        return scaled_residual(normed, update, self.alpha, self.beta)
 
     def alpha_on(self, *group_ranks: int) -> float:
         """The residual's factor on a rank whose partial update the given groups sum: alpha on the rank
         that is first in each (``group_ranks``: its rank in them), 0 on the others, so that the sum
         holds the residual once."""
         return 0.0 if any(group_ranks) else self.alpha
+
+
+def scaled_residual(normed: torch.Tensor, update: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """``alpha * normed + beta * update`` as one add with alpha; beta = 1 (MiniMax's value) skips that
+    product: multiplying by 1 is exact. A function, not a ScaledResidual made where it is needed: torch
+    2.11's dynamo cannot call a frozen dataclass built inside a compiled region (it hashes it unbuilt)."""
+    scaled_update = update if beta == 1.0 else scalar_operand(beta, update) * update
+    if torch.compiler.is_compiling():
+        # A compiled graph fuses the two ops anyway; inductor (torch 2.13) miscompiled add's alpha in
+        # the lean decode step (logits off by 10: tests/multiprocess/test_lean_decode.py).
+        return scalar_operand(alpha, normed) * normed + scaled_update
+    return torch.add(scaled_update, normed, alpha=alpha)
 
 
 def row_parallel_step(
@@ -109,7 +130,7 @@ def row_parallel_step(
     if torch.compiler.is_compiling():
         # Inductor lowers addmm to the product and a fused epilogue anyway, and scaling the residual
         # there is what it miscompiled (ScaledResidual): the two ops of the eager form.
-        out = ScaledResidual(alpha, residual.beta)(normed, F.linear(inputs, weight))
+        out = scaled_residual(normed, F.linear(inputs, weight), alpha, residual.beta)
     else:
         out = torch.addmm(normed, inputs, weight.t(), beta=alpha, alpha=residual.beta)
     if tp_group.size() == 1:
@@ -212,22 +233,47 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+def rollout_tensor(owner: torch.nn.Module, key: Hashable, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """The tensor that ``owner`` keeps under ``key`` for the rollouts' copies of its weights (a cast
+    parameter, a stack of weights), of that shape, dtype and device: made the first time (and when one
+    of them changes), the same tensor for every later rollout, which fills it in place, until
+    ``release_rollout_tensors``. A compiled decode step's CUDA graphs read the weights at the addresses
+    they were recorded with: every rollout then replays them rather than recording them anew at new
+    addresses. Marked a static address: a graph reads it in place instead of copying it into its own
+    input buffer at every replay."""
+    kept = owner.__dict__.setdefault("_rollout_tensors", {})
+    tensor = kept.get(key)
+    if tensor is None or tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
+        tensor = kept[key] = torch.empty(shape, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
+def release_rollout_tensors(model: torch.nn.Module) -> None:
+    """Drop what ``rollout_tensor`` keeps for ``model``'s modules: the next rollout makes them anew."""
+    for module in model.modules():
+        module.__dict__.pop("_rollout_tensors", None)
+
+
 class StacksWeights:
     """A module whose decode step uses one tensor made of several weights (the experts of a MoE layer,
-    a softmax layer's q / k / v, a TP-sharded norm's whole weight): HybridModel.generation_dtype makes
-    the tensor for a rollout (``stacking_weights``) and drops it after (``forget_stacks``)."""
+    a softmax layer's q / k / v, a TP-sharded norm's whole weight): HybridModel.generation_dtype fills
+    the tensor for a rollout (``stacking_weights``: the same tensor every rollout, ``rollout_tensor``)
+    and stops using it after (``forget_stacks``)."""
 
     def stacked_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters ``stacking_weights`` copies (generation_dtype copies them no other way)."""
         raise NotImplementedError
 
     def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-        """Make the stacks in ``dtype_of(weight)`` with the parameters' places taken by views of them;
+        """Fill the stacks in ``dtype_of(weight)`` with the parameters' places taken by views of them;
         returns what ``stack_weights_as_views`` returns, to put back."""
         raise NotImplementedError
 
     def forget_stacks(self) -> None:
-        """Drop the stacks (the parameters are put back): later steps stack on each call."""
+        """Stop using the stacks (the parameters are put back; the stacks' memory is kept for the next
+        rollout): later steps stack on each call."""
         raise NotImplementedError
 
 
@@ -281,11 +327,14 @@ class TensorParallelRMSNorm(torch.nn.Module, StacksWeights):
         return [self.weight] if self.tp_size > 1 else []
 
     def stacking_weights(self, dtype_of) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-        """At TP > 1 the whole weight, gathered once for the rollout, this rank's weight a view of its slice."""
+        """At TP > 1 the whole weight, gathered once for the rollout into the tensor every rollout fills
+        (``rollout_tensor``), this rank's weight a view of its slice."""
         if self.tp_size == 1:
             return []
         weight = self.weight
-        self._full_weight = self._gather_weight(dtype_of(weight))
+        gathered = self._gather_weight(dtype_of(weight))
+        self._full_weight = rollout_tensor(self, "full_weight", gathered.shape, gathered.dtype, gathered.device)
+        self._full_weight.copy_(gathered)
         copy = torch.nn.Parameter(self._full_weight.chunk(self.tp_size)[self.tp_group.rank()], requires_grad=False)
         copy.__dict__.update(weight.__dict__)  # Megatron's attributes (tensor_model_parallel, ...)
         self._parameters["weight"] = copy
@@ -321,12 +370,14 @@ def stack_weights_as_views(
     linear's ``weight{i}``) into one tensor, in ``dtype_of(weight)``: stacked along a new first
     dimension (``new_dim``, equal shapes) or concatenated along the output dimension, and put a view
     of it in each weight's place, so that a decode step multiplies by the whole tensor in one kernel
-    while the modules keep their parameters' names and shapes. Returns (the tensor,
+    while the modules keep their parameters' names and shapes. The tensor is the one every rollout
+    fills (``rollout_tensor``, kept by the first place's module). Returns (the tensor,
     [(module, name, the parameter replaced)] to put back)."""
     weights = weights_at(places)
     rows = [weight.shape[0] for weight in weights]
     shape = (len(weights), *weights[0].shape) if new_dim else (sum(rows), *weights[0].shape[1:])
-    stack = weights[0].new_empty(shape, dtype=dtype_of(weights[0]))
+    key = (tuple((id(module), name) for module, name in places), new_dim)
+    stack = rollout_tensor(places[0][0], key, shape, dtype_of(weights[0]), weights[0].device)
     views = stack.unbind(0) if new_dim else stack.split(rows)
     replaced = []
     for (module, name), weight, view in zip(places, weights, views):

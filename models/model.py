@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from typing import Iterator
 
 import torch
@@ -74,6 +75,8 @@ from megacispo.models.layers import (
     StacksWeights,
     all_gather_columns,
     at_least_fp32,
+    release_rollout_tensors,
+    rollout_tensor,
 )
 from megacispo.models.routing import LayerRoutes, RoutingTargets, local_targets
 from megacispo.parallel.context import positions_in_documents, zigzag_positions
@@ -151,6 +154,8 @@ class HybridModel(LanguageModule):
             for agree in (False, True)
         }
         self._compiled_lean = None
+        self._lean_dtypes: set[torch.dtype] = set()
+        """The dtypes a lean decode step ran in (``decode_step``: the first one in a dtype runs eagerly)."""
 
     def set_input_tensor(self, input_tensor) -> None:
         """The previous pipeline stage's output (called by Megatron's schedules)."""
@@ -321,7 +326,7 @@ class HybridModel(LanguageModule):
         return torch.stack(recorded, dim=2).transpose(0, 1)
 
     @contextlib.contextmanager
-    def generation_dtype(self, dtype: torch.dtype) -> Iterator[None]:
+    def generation_dtype(self, dtype: torch.dtype, keep: bool = False) -> Iterator[None]:
         """Run the model in ``dtype`` within the block (rollout.dtype): every parameter is replaced by a
         copy in ``dtype``, except those of modules that compute in fp32 as in training, whose copies
         are fp32 (not a bf16 weight cast at every step): the LM head's with fp32_lm_head, the MoE
@@ -330,14 +335,19 @@ class HybridModel(LanguageModule):
         tests' exact references) stays fp64. The weights a decode step multiplies together (each MoE
         layer's experts, a softmax layer's q / k / v: ``layers.StacksWeights``) are copied into one
         tensor each, with views of it in the parameters' places: a copy even when ``dtype`` is theirs.
+        With ``keep`` (rollouts through the compiled decode step) the copies and stacks stay allocated
+        after the block and the next one fills the same tensors in place (``layers.rollout_tensor``), so
+        that the CUDA graphs recorded on their addresses replay in every rollout with the weights of the
+        last optimizer step; without it they are freed on exit.
 
         A copy of the weights rather than autocast: the whole forward (residual stream, norms, KV
         cache, expert and router inputs) then runs in that precision as an inference engine does, not
         only autocast's matmuls, and the cast happens once per rollout (after the optimizer step that
-        changed the weights). It costs the copy while generating: 2 bytes a parameter of this stage
-        for bfloat16 beside fp32 weights, nothing but the stacks when ``dtype`` is the weights' own. The copies take
-        the parameters' places in their modules; the Parameter objects themselves are not touched
-        (changing a parameter's dtype in place would drop the gradient hooks Megatron's DDP put on it).
+        changed the weights). It costs the copy while generating (with ``keep``, from the first rollout
+        on, training beside it): 2 bytes a parameter of this stage for bfloat16 beside fp32 weights,
+        nothing but the stacks when ``dtype`` is the weights' own. The copies take the parameters' places in their modules; the
+        Parameter objects themselves are not touched (changing a parameter's dtype in place would drop
+        the gradient hooks Megatron's DDP put on it).
 
         FP8 (and FP4) is off within it: with precision.fp8 set, rollouts run in ``dtype`` on these
         weights (M1's choice: the prefill through Transformer Engine's GEMMs, the decode steps through
@@ -366,7 +376,8 @@ class HybridModel(LanguageModule):
         ]
         self._forget_stacks()
         for module, name, param in swapped:
-            copy = torch.nn.Parameter(param.detach().to(target(param)), requires_grad=False)
+            kept = rollout_tensor(module, name, param.shape, target(param), param.device)
+            copy = torch.nn.Parameter(kept.copy_(param.detach()), requires_grad=False)
             copy.__dict__.update(param.__dict__)  # Megatron's attributes (tensor_model_parallel, ...)
             module._parameters[name] = copy
         for module in stacking:
@@ -382,6 +393,8 @@ class HybridModel(LanguageModule):
             for module, name, param in swapped:
                 module._parameters[name] = param
             self._forget_stacks()
+            if not keep:
+                release_rollout_tensors(self)
 
     def _transformer_configs(self) -> list[TransformerConfig]:
         """The distinct TransformerConfig objects of the model's modules (Megatron reads flags from them)."""
@@ -450,7 +463,8 @@ class HybridModel(LanguageModule):
     ) -> tuple[torch.Tensor, InferenceCache]:
         """Append one token per sequence (token_ids [b] or [b, 1]); returns (logits [b, V] fp32, cache),
         the cache advanced in place. ``compiled`` runs the lean step through torch.compile (where
-        ``compiled_decode_supported``): the first steps of a batch size compile its graph."""
+        ``compiled_decode_supported``; the model's first lean step in a dtype runs eagerly): the first
+        steps of a batch size compile its graph."""
         token_ids = token_ids.reshape(cache.batch_size, 1)
         position_ids = cache.next_positions[:, None]
         if not self._lean_step_applies(cache):
@@ -460,6 +474,13 @@ class HybridModel(LanguageModule):
             return logits[:, -1], cache
         # EP ranks whose rows differ step their MoE layers through Megatron's dispatcher: eagerly.
         compiled = compiled and self._moe_steps_alone[cache.rows_agree]
+        # A model's first lean step in a dtype (the residual stream's) runs eagerly, compiled or not: what
+        # its modules compute on first use and keep (the lightning layers' decay factors) is then made
+        # outside any graph. Made in a graph, it would be one of the graph's outputs, which the next
+        # compiled call frees on CUDA (a new cudagraph-tree generation), and later steps would read it.
+        dtype = next(self.decoder.parameters()).dtype
+        compiled = compiled and dtype in self._lean_dtypes
+        self._lean_dtypes.add(dtype)
         # This token and, compiled, one more (InferenceCache.reserve): the step never grows a buffer.
         cache.reserve(2 if compiled else 1)
         if compiled:
@@ -516,9 +537,16 @@ class HybridModel(LanguageModule):
             like = next(self.decoder.parameters())
             received = torch.empty(length, batch, self.config.hidden_size, dtype=like.dtype, device=like.device)
             torch.distributed.recv(received, src=torch.distributed.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
-        if lean_span is not None:
-            lean_stage = self._compiled_lean_stage() if compiled else self._lean_stage
-            hidden, logits = lean_stage(input_ids[:, 0], position_ids, cache, received, lean_span)
+        if lean_span is not None and compiled:
+            # On CUDA a compiled call's outputs live until the next compiled call (the rollout's draw)
+            # starts a new cudagraph-tree generation, which frees them (pytorch#175557): the caller gets
+            # a copy of the logits, [b, V] fp32 (rows x V x 4 bytes). What the next step reads stays in
+            # the cache's own tensors, written in place (static addresses), none of it an output.
+            compiled_stage = self._compiled_lean_stage()
+            hidden, logits = compiled_stage(input_ids[:, 0], position_ids, cache, received, lean_span)
+            logits = logits.clone()
+        elif lean_span is not None:
+            hidden, logits = self._lean_stage(input_ids[:, 0], position_ids, cache, received, lean_span)
         else:
             hidden, logits = self._megatron_stage(input_ids, position_ids, attention_mask, cache, received, last_only)
         if not self.post_process:
@@ -610,7 +638,13 @@ class HybridModel(LanguageModule):
         a Python number, turns dynamic after one recompile. On CUDA the graph runs as CUDA graphs
         (inductor's cudagraph trees), one recorded per shape: the span is bucketed and the rollout's
         rows are too (megacispo.rollout.generate), so a rollout records a few, each replayed at every
-        step of its bucket; the cache's buffers are marked as static addresses (mutated in place)."""
+        step of its bucket; the cache's buffers are marked as static addresses (mutated in place), and
+        so are the rollout's weights (``generation_dtype``: the same tensors every rollout).
+
+        The function compiled is this model's own copy of the method (``_own_code``): dynamo keeps its
+        compiled graphs on the code object, and the step's guards leave the modules out
+        (``_lean_step_guards``), so a graph compiled for another model of the same architecture would
+        pass them and run on this one (with that model's Python attributes, as a crash or its numbers)."""
         if not self.compiled_decode_supported:
             raise ValueError(
                 "decode_step(compiled=True) (rollout.compile_decode) needs the lean decode step on one pipeline "
@@ -618,7 +652,7 @@ class HybridModel(LanguageModule):
                 "rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
-            self._compiled_lean = torch.compile(self._lean_stage,
+            self._compiled_lean = torch.compile(_own_code(self._lean_stage),
                                                 options=lean_compile_options(self.lm_head_weight.device))
         return self._compiled_lean
 
@@ -675,6 +709,15 @@ def _default_positions(input_ids: torch.Tensor, packed_seq_params: PackedSeqPara
     else:
         positions = zigzag_positions(seq_len * group.size(), group.size(), group.rank(), device=input_ids.device)
     return positions_in_documents(packed_seq_params.cu_seqlens_q, positions)[None]
+
+
+def _own_code(method: types.MethodType) -> types.MethodType:
+    """``method`` bound to its object through a function with a code object of its own (the same code):
+    dynamo's cache of compiled graphs, kept on the code object, is then the object's alone."""
+    function = method.__func__
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)
+    return types.MethodType(own, method.__self__)
 
 
 def _check_left_padded(attention_mask: torch.Tensor) -> None:

@@ -46,6 +46,19 @@ from megacispo.parallel.context import packed_document_ids
 
 
 @dataclass
+class PackedRowParams(PackedSeqParams):
+    """PackedSeqParams of a packed row whose offsets are also on the run's device: cu_seqlens_q (= kv)
+    stays on the host, where the layers plan on it (the lightning layers' document blocks, the CP
+    pieces), and ``device_cu_seqlens`` is the copy that the kernels taking the offsets on the device read
+    (varlen flash attention, the masked kernel's document ids), made once per row by its packer
+    (megacispo.training.packing): a copy in each softmax layer would be a host-to-device copy per layer,
+    from pageable memory a wait for the device."""
+
+    device_cu_seqlens: torch.Tensor | None = None
+    """cu_seqlens_q as int32 on the run's device."""
+
+
+@dataclass
 class SoftmaxAttentionSubmodules:
     """Builders of the projections, each called as (config, input_size, output_size, tp_group)."""
 
@@ -109,9 +122,7 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         elif packed_seq_params is not None and packed_seq_params.cp_group is not None:
             out = self._attend_cp(q, k, v, packed_seq_params)
         elif packed_seq_params is not None:
-            out = attend_documents(
-                q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q, self.head_dim**-0.5
-            )
+            out = attend_packed_row(q, k, v, packed_seq_params, self.head_dim**-0.5)
         elif attention_mask is not None:
             out = self._attend(q, k, v, _padded_causal_mask(attention_mask.bool(), seq_len))
         else:
@@ -198,18 +209,31 @@ def decode_attention(
     return out.reshape(batch, heads, 1, dim)
 
 
+def attend_packed_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_seq_params: PackedSeqParams, scale: float
+) -> torch.Tensor:
+    """``attend_documents`` on a packed row (batch 1) with its packed_seq_params' offsets: those on the
+    host, and their device copy where the row's packer made one (``PackedRowParams``)."""
+    device_cu_seqlens = packed_seq_params.device_cu_seqlens if isinstance(packed_seq_params, PackedRowParams) else None
+    return attend_documents(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q, scale,
+                            device_cu_seqlens)
+
+
 def attend_documents(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None, scale: float,
+    device_cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention inside each document of a packed row: q [1, heads, T, d], k and v
-    [1, kv heads, T, d], documents ending at cu_seqlens[1:] (cu_seqlens[0] = 0, cu_seqlens[-1] = T),
-    the longest ``max_seqlen`` tokens (None: not known) -> [1, heads, T, d]. By device:
+    [1, kv heads, T, d], documents ending at cu_seqlens[1:] (cu_seqlens[0] = 0, cu_seqlens[-1] = T, on
+    the host), the longest ``max_seqlen`` tokens (None: not known) -> [1, heads, T, d].
+    ``device_cu_seqlens``: cu_seqlens as int32 on q's device (``PackedRowParams``); None: the CUDA arms
+    copy cu_seqlens there, a host-to-device copy. By device:
 
     - CPU: one SDPA call per document (``_documents_one_by_one``), exact; memory and work
       sum(L_i^2). It reads cu_seqlens on the host, which costs nothing there, and checks it.
     - CUDA, fp16 / bf16: torch's variable-length flash attention (``_documents_varlen``), memory
       linear in T, GQA without repeating K and V. No host sync when ``max_seqlen`` is given
-      (PackedSeqParams.max_seqlen_q); one to find it otherwise.
+      (PackedSeqParams.max_seqlen_q) and the offsets are on the device; one to find it otherwise.
     - CUDA, fp32 (no flash kernel takes it): SDPA's memory-efficient kernel under a block-diagonal
       causal mask built from document ids (``_documents_masked``), no host sync and no loop. Exact,
       but the mask is T^2 bytes of bool, plus the kernel's T^2 bias in fp32 (5 GiB together at T =
@@ -222,9 +246,11 @@ def attend_documents(
         )
     if not q.is_cuda:
         return _documents_one_by_one(q, k, v, cu_seqlens, scale)
+    if device_cu_seqlens is None:
+        device_cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if q.dtype in (torch.float16, torch.bfloat16):
-        return _documents_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
-    return _documents_masked(q, k, v, cu_seqlens, scale)
+        return _documents_varlen(q, k, v, device_cu_seqlens, max_seqlen, scale)
+    return _documents_masked(q, k, v, device_cu_seqlens, scale)
 
 
 def _documents_one_by_one(
@@ -250,7 +276,7 @@ def _documents_masked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
     positions = torch.arange(q.shape[2], device=q.device)
-    documents = packed_document_ids(cu_seqlens.to(q.device), positions)
+    documents = packed_document_ids(cu_seqlens, positions)
     mask = document_causal_mask(positions, documents, positions, documents)
     return masked_attention(q, k, v, mask, scale)
 
@@ -260,7 +286,6 @@ def _documents_varlen(
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int(torch.diff(cu_seqlens).max())  # the caller did not say: one host sync
     # The flash kernel's layout: tokens, heads, d ([T, heads, d]); GQA when heads is a multiple of kv heads.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megacispo.fields import AT_LEAST_1, FRACTION, Range, check_choice, check_ranges, ranged
+from megacispo.fields import AT_LEAST_1, FRACTION, POSITIVE, Range, check_choice, check_ranges, ranged
 
 # rollout.dtype's choices: the precisions a rollout can generate in, or auto (by device).
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
@@ -76,6 +76,8 @@ class PlacementConfig:
 
     rollout_ranks: int = ranged(0, Range(0, note="0: every process generates and trains"))
     """K: the last K processes only generate (whole-model replicas: TP = PP = EP = 1), the others only train (0: all do both)."""
+    liveness_timeout_s: float = ranged(20.0, POSITIVE)
+    """Seconds a training or rollout process may send no heartbeat before the other side stops the run, naming it (with rollout_ranks)."""
 
     def check(self) -> None:
         check_ranges(self, "placement")

@@ -289,11 +289,18 @@ def generate(
     # training mode, and the model switches sequence parallelism off for single-token steps.
     model.eval()
     try:
-        with model.generation_dtype(config.torch_dtype(keys.is_cuda)), model.recording_routes():
+        # Compiled steps replay graphs recorded on the rollout weights' addresses: the same tensors every rollout.
+        weights = model.generation_dtype(config.torch_dtype(keys.is_cuda), keep=config.compile_decode)
+        with weights, model.recording_routes():
             engine = _SlotRollout(model, prompts, config, stop_ids, pad_id, keys, limits, lockstep_group, conversations)
             return engine.run(progress, interrupt)
     finally:
         model.train(was_training)
+        if config.compile_decode and keys.is_cuda:
+            # The rollout's cache and records are its own tensors, static inputs of the graphs it recorded:
+            # the next rollout records its own, and inductor's cudagraph trees would keep these (and their
+            # memory pool) for good. Freed here; the compiled code stays, so nothing recompiles.
+            torch._inductor.cudagraph_trees.reset_cudagraph_trees()
 
 
 def _count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
@@ -495,7 +502,9 @@ class _SlotRollout:
 
     def _record_step_routes(self) -> None:
         """The experts of the token each row just fed (the one it drew last, at position prompt + drawn
-        - 1 of its sample); rows not decoding, or refilled and not yet drawing, write the scratch row."""
+        - 1 of its sample); rows not decoding, or refilled and not yet drawing, write the scratch row.
+        Right after the step: a compiled step's routes are outputs of its graph, freed on CUDA when the
+        next compiled call (the draw) starts."""
         fed = self.row_live_t & (self.row_drawn_t > 0)
         rows = torch.where(fed, self.row_sample_t, self.num_samples)
         positions = (self.row_prompt_t + self.row_drawn_t - 1).clamp(0, self.routes.shape[1] - 1)
@@ -518,12 +527,16 @@ class _SlotRollout:
 
     def _draw(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's next token from ``logits`` [rows, V] (``draw_tokens``, through torch.compile with
-        rollout.compile_decode: on CUDA a CUDA graph of its own); the host counts the live rows' steps."""
+        rollout.compile_decode: on CUDA a CUDA graph of its own); the host counts the live rows' steps.
+        Compiled, the draw's outputs are copied ([rows] each): the next compiled call (the decode step)
+        starts a new cudagraph-tree generation, which frees them, and the rows' state is read after it."""
         draw = compiled_draw(self.device.type == "cuda") if self.config.compile_decode else draw_tokens
         rows = RowState(self.row_sample_t, self.row_keys_t, self.row_drawn_t, self.row_live_t, self.row_limit_t,
                         self.confident_run)
-        tokens, self.row_drawn_t, self.row_live_t, self.confident_run = draw(
-            logits, rows, self.record, self.config, self.stop_ids, self.num_samples)
+        drawn = draw(logits, rows, self.record, self.config, self.stop_ids, self.num_samples)
+        if self.config.compile_decode:
+            drawn = tuple(output.clone() for output in drawn)
+        tokens, self.row_drawn_t, self.row_live_t, self.confident_run = drawn
         self.row_steps = [steps + 1 if sample >= 0 and not waiting else steps
                           for steps, sample, waiting in zip(self.row_steps, self.row_sample, self.row_waiting)]
         return tokens

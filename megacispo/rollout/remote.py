@@ -45,7 +45,7 @@ import torch.distributed as dist
 from megacispo.config import Config
 from megacispo.data.padding import pad_right
 from megacispo.data.prompts import PromptRecord, PromptSampler
-from megacispo.data.rewards import RewardScores, get_reward_fn
+from megacispo.data.rewards import RewardScores
 from megacispo.parallel.layout import ParallelConfig, destroy_distributed, init_distributed
 from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
 from megacispo.rollout.generate import Samples, sample_keys
@@ -100,11 +100,11 @@ def run_rollout_process(config: Config, tokenizer, bridge: Bridge) -> None:
 
 def _serve(config: Config, tokenizer, bridge: Bridge, model) -> None:
     """Weights into ``model``, rounds generated with the last weights received, until StopRollouts."""
-    scoring = Scoring(get_reward_fn(config.rl.reward), config.rl.failure_reward, config.rl.reward_timeout_s)
+    scoring = Scoring.from_config(config.rl)
     environments = Environments.build(config.env, tokenizer, config.data.chat_template)
     version = -1
     while True:
-        message = bridge.broadcast_object()
+        message = bridge.broadcast_object(what="the next message (a round's request, the weights or the stop)")
         if isinstance(message, WeightsHeader):
             receive_weights(model, bridge, message)
             version = message.version
@@ -175,7 +175,7 @@ class RemoteRollouts:
             self._ask_ahead(version)
 
     def publish(self, module: torch.nn.Module, version: int) -> None:
-        """Send the weights of step ``version`` (every training rank; see placement.publish_weights)."""
+        """Send the weights of step ``version`` (every training rank; see weight_sync.publish_weights)."""
         start = time.perf_counter()
         publish_weights(module, self.bridge, version)
         self._sync_s += time.perf_counter() - start
@@ -260,7 +260,8 @@ class RemoteRollouts:
                      RewardScores.concat([s.scores for s in shares]), [m for s in shares for m in s.env_metrics])
 
     def _receive_shares(self) -> list[RoundShare]:
-        return [self.bridge.receive_object(rank) for rank in range(1, self.bridge.num_rollout + 1)]
+        return [self.bridge.receive_object(rank, "its share of a round")
+                for rank in range(1, self.bridge.num_rollout + 1)]
 
 
 def concat_samples(parts: list[Samples], pad_id: int) -> Samples:

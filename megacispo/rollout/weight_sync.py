@@ -1,25 +1,38 @@
 """The weight sync of rollouts on processes of their own (megacispo.rollout.placement).
 
-Weight sync, after each step: every training rank hands its pieces of the parameters (any TP / PP /
-EP layout: the layout-independent pieces of ``sharded_state_dict``) to training rank 0, which
-assembles the full tensors and broadcasts them as one flat buffer per dtype; each rollout process
-copies them into its replica. Supported: any training layout the trainer supports, the rollout side
-at TP = PP = EP = 1. Memory on training rank 0's host during a sync: the gathered pieces (the full
-model, plus the dense weights once more per data-parallel replica), the assembled tensors and the
-flat buffers (the full model each); on each rollout process, the flat buffers (the full model) beside
-its replica.
+Weight sync, after each step. Every training rank holds pieces of the parameters (any TP / PP / EP
+layout: the layout-independent pieces of ``sharded_state_dict``). The ranks exchange where their
+pieces sit (keys, dtypes and blocks, no tensors) and agree on one owner per block (the lowest rank
+holding it: replicas send nothing) and on a plan of buckets of ``bucket_bytes`` each: the full tensors
+by dtype, then by key, cut between rows of their first dimension. Bucket by bucket, each rank writes its
+owned pieces into a zero-filled flat bucket, and a sum-reduce onto training rank 0 assembles the bucket
+there (every element comes from one rank, so the sum is its value, bit for bit); training rank 0
+broadcasts it to the rollout processes, after one header (the plan) that is the only pickled message.
+Each rollout process copies every bucket into its replica. Supported: any training layout the trainer
+supports, the rollout side at TP = PP = EP = 1.
+
+Memory during a sync: on each training rank, a copy of its pieces and one bucket; on training rank 0,
+the buckets it has broadcast until the rollout processes receive them (after the round they are
+generating: the full model at most); on each rollout process, one bucket beside its replica.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY
-from megacispo.parallel.sharded import assemble, parameter_pieces
+from megacispo.parallel.layout import run_device
+from megacispo.parallel.sharded import TensorPiece, parameter_pieces
 from megacispo.rollout.placement import Bridge
+
+# A bucket's size: large enough that a sync of M1 takes a few thousand collectives, small enough to
+# sit beside the weights on every training rank.
+BUCKET_BYTES = 1 << 30
 
 
 def parameter_slots(model: torch.nn.Module) -> dict[str, list[tuple[int | None, torch.Tensor]]]:
@@ -40,58 +53,137 @@ def parameter_slots(model: torch.nn.Module) -> dict[str, list[tuple[int | None, 
     return slots
 
 
+Segment = tuple[str, int, int]
+"""(key, first row, end row): rows of a full tensor's first dimension (a 0-dim tensor has one row)."""
+
+
 @dataclass
 class WeightsHeader:
-    """What precedes the flat buffers of a weight sync."""
+    """What precedes the buckets of a weight sync."""
 
     version: int
     """The training step whose weights these are."""
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]]
-    """(key, dtype, full shape) of every tensor, in buffer order: by dtype, then by key."""
+    entries: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    """Every tensor's key: its dtype and full shape."""
+    buckets: list[list[Segment]]
+    """Each bucket's segments, in order: one dtype per bucket, its tensors by key."""
 
 
-def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int) -> None:
-    """Every training rank: send the model's full weights to the rollout processes (see the module's
-    docstring). Training rank 0 returns once the buffers are queued, not received."""
+@dataclass(frozen=True)
+class _Block:
+    """Where a piece sits in its full tensor: per dimension, its first index and its size."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int,
+                    bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Every training rank: send the model's full weights to the rollout processes in buckets of
+    ``bucket_bytes`` (see the module's docstring). Training rank 0 returns once the buckets are queued,
+    not received."""
     pieces = parameter_pieces(module)
-    for piece in pieces:
-        # Pickled as host copies: a GPU tensor would be unpickled onto the sending rank's GPU.
-        piece.data = piece.data.cpu()
-    gathered = [None] * dist.get_world_size() if bridge is not None else None
-    dist.gather_object(pieces, gathered, dst=0)
-    if bridge is None:
-        return
-    full = assemble(gathered)
-    entries = sorted(((key, tensor.dtype, tuple(tensor.shape)) for key, tensor in full.items()),
-                     key=lambda entry: (str(entry[1]), entry[0]))
-    bridge.broadcast_object(WeightsHeader(version, entries))
-    for dtype in _dtypes(entries):
-        flat = torch.cat([full[key].reshape(-1) for key, kind, _ in entries if kind == dtype])
-        bridge.broadcast_tensor(flat.to(bridge.device))
+    blocks = [_block(piece) for piece in pieces]
+    blocks_by_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(blocks_by_rank, blocks)
+    owners: dict[_Block, int] = {}
+    for rank, rank_blocks in enumerate(blocks_by_rank):
+        for block in rank_blocks:
+            owners.setdefault(block, rank)
+    owned: dict[str, list[tuple[_Block, torch.Tensor]]] = defaultdict(list)
+    for block, piece in zip(blocks, pieces):
+        if owners[block] == dist.get_rank():
+            owned[block.key].append((block, piece.data.reshape(block.sizes)))
+    entries = {block.key: (block.dtype, block.global_shape) for block in owners}
+    header = WeightsHeader(version, entries, _plan(entries, bucket_bytes))
+    if bridge is not None:
+        bridge.broadcast_object(header)
+    for segments in header.buckets:
+        flat = torch.zeros(_bucket_numel(header, segments), dtype=entries[segments[0][0]][0], device=run_device())
+        for (key, first, end), rows in _segment_rows(header, segments, flat):
+            for block, data in owned[key]:
+                low, high = max(block.starts[0], first), min(block.starts[0] + block.sizes[0], end)
+                if low < high:
+                    inner = tuple(slice(start, start + size) for start, size in zip(block.starts[1:], block.sizes[1:]))
+                    offset = block.starts[0]
+                    rows[(slice(low - first, high - first), *inner)] = data[low - offset:high - offset]
+        dist.reduce(flat, dst=0)
+        if bridge is not None:
+            bridge.broadcast_tensor(flat)
 
 
 def receive_weights(model: torch.nn.Module, bridge: Bridge, header: WeightsHeader) -> None:
-    """A rollout process: the buffers that follow ``header``, copied into ``model`` (TP = PP = EP = 1)."""
+    """A rollout process: the buckets that follow ``header``, copied into ``model`` (TP = PP = EP = 1)."""
     slots = parameter_slots(model)
-    if set(slots) != {key for key, _, _ in header.entries}:
-        missing = sorted(set(slots) ^ {key for key, _, _ in header.entries})
+    if set(slots) != set(header.entries):
+        missing = sorted(set(slots) ^ set(header.entries))
         raise RuntimeError(f"weight sync: the training and rollout models differ in the tensors {missing[:4]}")
-    for dtype in _dtypes(header.entries):
-        group = [(key, shape) for key, kind, shape in header.entries if kind == dtype]
-        flat = torch.empty(sum(_numel(shape) for _, shape in group), dtype=dtype, device=bridge.device)
-        bridge.broadcast_tensor(flat)
-        offset = 0
+    for segments in header.buckets:
+        flat = torch.empty(_bucket_numel(header, segments), dtype=header.entries[segments[0][0]][0],
+                           device=bridge.device)
+        bridge.broadcast_tensor(flat, f"a bucket of the weights of step {header.version}")
         with torch.no_grad():
-            for key, shape in group:
-                full = flat[offset:offset + _numel(shape)].view(shape)
-                offset += _numel(shape)
+            for (key, first, end), rows in _segment_rows(header, segments, flat):
+                shape = header.entries[key][1]
                 for expert, target in slots[key]:
-                    target.copy_(full if expert is None else full[expert])
+                    if expert is None:
+                        target.view(_row_shape(shape))[first:end].copy_(rows)
+                    elif first <= expert < end:
+                        target.copy_(rows[expert - first])
 
 
-def _dtypes(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[torch.dtype]:
-    return sorted({dtype for _, dtype, _ in entries}, key=str)
+def _block(piece: TensorPiece) -> _Block:
+    # The prepended axes (layers, experts) are single indices; a 0-dim tensor is one row of one element.
+    prepend = piece.prepend_axis_num
+    sizes = (1,) * prepend + tuple(piece.data.shape)
+    starts = tuple(piece.global_offset)
+    if not sizes:
+        starts, sizes = (0,), (1,)
+    return _Block(piece.key, piece.data.dtype, tuple(piece.global_shape), starts, sizes)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel())
+def _row_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape if shape else (1,)
+
+
+def _plan(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> list[list[Segment]]:
+    """The buckets: the tensors by dtype, then by key, each bucket of one dtype and at most
+    ``bucket_bytes`` (a single row larger than that makes a bucket of its own)."""
+    buckets: list[list[Segment]] = []
+    used, dtype_of_last = bucket_bytes, None
+    for key in sorted(entries, key=lambda name: (str(entries[name][0]), name)):
+        dtype, shape = entries[key]
+        rows, *row_shape = _row_shape(shape)
+        row_bytes = torch.Size(row_shape).numel() * dtype.itemsize
+        first = 0
+        while first < rows:
+            if dtype != dtype_of_last or used + row_bytes > bucket_bytes:
+                buckets.append([])
+                used, dtype_of_last = 0, dtype
+            end = min(rows, first + max(1, (bucket_bytes - used) // row_bytes))
+            buckets[-1].append((key, first, end))
+            used += (end - first) * row_bytes
+            first = end
+    return buckets
+
+
+def _bucket_numel(header: WeightsHeader, segments: list[Segment]) -> int:
+    return sum((end - first) * _row_numel(header.entries[key][1]) for key, first, end in segments)
+
+
+def _row_numel(shape: tuple[int, ...]) -> int:
+    return torch.Size(_row_shape(shape)[1:]).numel()
+
+
+def _segment_rows(header: WeightsHeader, segments: list[Segment],
+                  flat: torch.Tensor) -> Iterator[tuple[Segment, torch.Tensor]]:
+    """Each segment of a bucket with its rows in ``flat``, shaped [rows, *the full tensor's other dims]."""
+    offset = 0
+    for key, first, end in segments:
+        shape = _row_shape(header.entries[key][1])
+        numel = (end - first) * _row_numel(shape)
+        yield (key, first, end), flat[offset:offset + numel].view(end - first, *shape[1:])
+        offset += numel

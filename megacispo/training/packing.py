@@ -30,8 +30,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.packed_seq_params import PackedSeqParams
 
+from megacispo.models.softmax_attention import PackedRowParams
 from megacispo.parallel.context import zigzag_positions
 from megacispo.parallel.layout import ParallelConfig
 from megacispo.rl.losses import Sequences
@@ -69,8 +69,9 @@ class PackedRow:
     after the last sequence is one more)."""
     num_sequences: int
     """Sequences in the row, the trailing padding counted as one."""
-    packed_seq_params: PackedSeqParams
-    """The row's boundaries for the model (cu_seqlens over every position, the padding included, on the host)."""
+    packed_seq_params: PackedRowParams
+    """The row's boundaries for the model: cu_seqlens over every position, the padding included, on the host,
+    with its copy on the device (made here, once per row: no layer copies them), and the longest document."""
     batch_width: int
     """S: the width of the batch the row gathers from."""
 
@@ -201,18 +202,26 @@ def _packed_row(members: list[int], lengths: Sequence[int], batch_width: int, wi
     if used < width:
         boundaries.append(width)
     # On the host: the layers read the offsets there (their block layouts, the CP pieces), which a copy
-    # on the GPU would make a device sync in every layer; kernels that take them copy them over.
+    # on the GPU would make a device sync in every layer; the kernels that take them read the device copy.
     cu_seqlens = torch.tensor(boundaries, dtype=torch.int32, device="cpu")
     longest = max(b - a for a, b in zip(boundaries[:-1], boundaries[1:]))
     return PackedRow(
         rows=tuple(members),
-        gather=gather[mine].to(device),
-        sequence_ids=sequence_ids[mine].to(device)[None],
+        gather=_to_device(gather[mine], device),
+        sequence_ids=_to_device(sequence_ids[mine], device)[None],
         num_sequences=len(boundaries) - 1,
-        packed_seq_params=PackedSeqParams(
+        packed_seq_params=PackedRowParams(
             qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-            max_seqlen_kv=longest,
+            max_seqlen_kv=longest, device_cu_seqlens=_to_device(cu_seqlens, device),
         ),
         batch_width=batch_width,
         width=width,
     )
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on ``device``. To a GPU from pinned memory, without waiting: torch's blocking
+    copy waits until the device has run all the work queued before it."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -88,7 +88,8 @@ def test_a_rollout_process_that_dies_stops_the_run_with_its_name(task_files, tmp
     log = tmp_path / "train.log"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "megacispo.train", *run_overrides(task_files, tmp_path, steps=3), *PLACED,
-               "--set", "rl.reward=megacispo.testing.fault_rewards:exit_on_the_rollout_process"]
+               "--set", "rl.reward=megacispo.testing.fault_rewards:exit_on_the_rollout_process",
+               "--set", "placement.liveness_timeout_s=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     with open(log, "w") as out:
         finished = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=300)

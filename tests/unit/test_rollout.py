@@ -28,7 +28,7 @@ class ScriptedPolicy(torch.nn.Module):
         self.hybrid_config = model_config("tiny")
         self.decoder = types.SimpleNamespace(layers=[])
 
-    def generation_dtype(self, dtype):
+    def generation_dtype(self, dtype, keep=False):
         return contextlib.nullcontext()
 
     def recording_routes(self):
