@@ -182,21 +182,24 @@ class Bridge:
             raise self._lost(peer, f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
 
     def _await(self, done: Callable[[], bool], peers: list[int], what: str) -> None:
-        """Poll ``done`` until it holds, while each of ``peers`` beats its heartbeat."""
+        """Poll ``done`` until it holds, while each of ``peers`` beats its heartbeat: a peer is lost once
+        silent for the liveness bound within this wait (a peer that was stopped before it and runs again
+        gets a bound to beat: only a silence inside the wait counts)."""
         start = time.monotonic()
         delay = _FIRST_POLL_S
         while True:
             try:
                 if done():
                     return
-                silent = {peer: self._silent_s(peer) for peer in peers}
+                waited = time.monotonic() - start
+                silent = {peer: min(self._silent_s(peer), waited) for peer in peers}
             except RuntimeError as error:  # the store's: its server, in training process 0, is gone
                 raise self._lost(0, f"the store does not answer: {str(error).splitlines()[0]}") from None
             peer, longest = max(silent.items(), key=lambda item: item[1])
             if longest > self.liveness_timeout_s:
                 raise self._lost(peer, f"no heartbeat for {longest:.1f} s (the liveness bound is "
                                        f"{self.liveness_timeout_s:g} s) while {self.describe(self.rank)} waited "
-                                       f"{time.monotonic() - start:.1f} s for {what}")
+                                       f"{waited:.1f} s for {what}")
             time.sleep(delay)
             delay = min(2 * delay, self.liveness_timeout_s / _BEATS_PER_BOUND)
 
