@@ -56,6 +56,8 @@ def test_rl_steps_write_every_metric_and_clip(task_files, tmp_path):
     assert any(not torch.equal(first[key], last[key]) for key in first), "parameters did not change"
 
 
+# Slow tier (CI stays under 20 minutes on 2 cores): 15-30 s; what it covers runs in CI in a cheaper form.
+@pytest.mark.slow
 def test_resume_continues_exactly(task_files, tmp_path):
     """Stopped after step 2 and resumed (the LR schedule fixed by optimizer.decay_steps), step 3's
     loss and parameters equal those of the uninterrupted run."""
@@ -87,6 +89,8 @@ def test_sigterm_saves_the_step_and_exits_cleanly(task_files, tmp_path):
     assert [path.name for path in complete_checkpoints(tmp_path / "checkpoints")] == [f"step_{step:08d}"]
 
 
+# Slow tier (CI stays under 20 minutes on 2 cores): 15-30 s; what it covers runs in CI in a cheaper form.
+@pytest.mark.slow
 def test_pipeline_parallel_step_equals_single_process(task_files, tmp_path):
     """One RL step at PP = 2 (rollouts decoded across both stages, old log-probs sent back from the
     last stage) gives the single-process run's rewards, loss and updated parameters."""

@@ -261,6 +261,8 @@ def _save_with_nan(step_dir: str, root: str) -> None:
     save_checkpoint(root, meta["step"], model, config_dict=meta["config"])
 
 
+# Slow tier (CI stays under 20 minutes on 2 cores): 15-30 s; what it covers runs in CI in a cheaper form.
+@pytest.mark.slow
 def test_a_nan_weight_is_named_by_train_and_the_converter(trained, task_files, tmp_path):
     run_distributed(_save_with_nan, 1, str(trained), str(tmp_path / "nan"), timeout_s=300)
     step_dir = tmp_path / "nan" / trained.name
