@@ -3,7 +3,10 @@
 One process, a world of one (gloo), fp32, torch threads = all cores. Both sides hold the same
 weights: transformers' MiniMaxForCausalLM is built from ``hf_names.config_to_hf`` and randomly
 initialized, and its tensors are loaded into our model through ``hf_names`` (our rotary_dim is set
-to head_dim, because HF rotates whole heads: the two models then compute the same function).
+to head_dim, because HF rotates whole heads: the two models then compute the same function). With
+``--family minimax-m2`` both sides are the ``small`` shape as MiniMax-M2 (every layer softmax
+attention with QK-norm and partial RoPE, the sigmoid router with its selection bias):
+transformers' MiniMaxM2ForCausalLM, which honours partial RoPE.
 
 Training, one RL update on the same batch (random tokens, a prompt of a quarter of the sequence,
 loss on the rest, one advantage per sequence, old log-probs near the current ones):
@@ -60,7 +63,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from megacispo.models.config import HybridModelConfig, model_config
+from megacispo.models.config import FAMILIES, M1, M2, SOFTMAX, HybridModelConfig, model_config
 from megacispo.parallel import cpu
 
 TRAIN_TARGET = 1.5
@@ -102,8 +105,9 @@ def measure_sides(runs: dict[str, Callable[[], object]], warmup: int, repeats: i
 
 
 def build_models(config: HybridModelConfig):
-    """(engine, hf_model): our Engine and transformers' MiniMaxForCausalLM with the same weights."""
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+    """(engine, hf_model): our Engine and transformers' MiniMaxForCausalLM (MiniMaxM2ForCausalLM) with the
+    same weights."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM
 
     from megacispo.config import Config
     from megacispo.models import hf_names
@@ -113,7 +117,11 @@ def build_models(config: HybridModelConfig):
     from megacispo.training.engine import Engine
 
     init_distributed(ParallelConfig(), seed=0)
-    hf_model = MiniMaxForCausalLM(MiniMaxConfig(**hf_names.config_to_hf(config)))
+    if config.family == M2:
+        hf_model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**hf_names.config_to_hf(config), bos_token_id=None,
+                                                        eos_token_id=None))
+    else:
+        hf_model = MiniMaxForCausalLM(MiniMaxConfig(**hf_names.config_to_hf(config)))
     engine = Engine(Config(model=config, optimizer=OptimizerConfig(lr=LR)), total_steps=1000, peak_lr=LR)
     hf_tensors = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     ours = hf_models.full_to_single_process(hf_models.hf_to_full(hf_tensors, config))
@@ -431,6 +439,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gen-repeats", type=int, default=2, help="timed generation calls per side and batch size")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--skip", choices=("train", "generate"), help="leave out one part")
+    parser.add_argument("--family", choices=FAMILIES, default=M1, help="the small shape as this MiniMax family")
     return parser.parse_args()
 
 
@@ -438,8 +447,12 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     small = model_config("small")
-    # HF rotates whole heads; so does our model with rotary_dim = head_dim (MODEL.md).
-    config = small.replace(rotary_dim=small.head_dim)
+    if args.family == M2:
+        config = small.replace(family=M2, layer_pattern=SOFTMAX, linear_attn_alpha_factor=1.0,
+                               full_attn_alpha_factor=1.0, mlp_alpha_factor=1.0)
+    else:
+        # HF rotates whole heads; so does our model with rotary_dim = head_dim (MODEL.md).
+        config = small.replace(rotary_dim=small.head_dim)
     engine, hf_model = build_models(config)
     import transformers
 

@@ -312,7 +312,7 @@ def multi_turn_rollout(model, prompts: list[list[int]], tokenizer: ToolTokenizer
     try:
         start, cpu_start = time.perf_counter(), time.process_time()
         conversations = Conversations(env, SleepyToolEnv, ReplyRenderer(tokenizer, chat_template=False), records,
-                                      workers)
+                                      workers, max_prompt_tokens=model.hybrid_config.max_position_embeddings)
         first = conversations.prompts(lambda record: prompts[int(record.answer)])
         samples = generate(model, first, config, stop_ids=tokenizer.stop_ids, pad_id=PAD,
                            keys=sample_keys((0,), range(len(prompts)), 1, device="cpu"),

@@ -3,7 +3,8 @@
 # then CISPO RL of the tiny hybrid MoE model with torchrun on 2 processes (EP=2), with TensorBoard
 # logs and checkpoints under runs/quickstart. Environment variables (defaults in brackets):
 #   NPROC [2]  processes;  RUN_DIR [runs/quickstart]  must match the config's paths;
-#   EXTRA      more --set overrides for both stages, e.g. EXTRA="--set train.seed=1"
+#   EXTRA      more --set overrides for both stages, e.g. EXTRA="--set train.seed=1";
+#   FAMILY [minimax-m1]  minimax-m2: the tiny MiniMax-M2, made by transformers, in runs/quickstart_m2
 # Every run starts over: the last run's checkpoints and TensorBoard logs under RUN_DIR go first, so RL
 # never loads another run's (newer-stepped) SFT checkpoint and TensorBoard shows this run alone.
 set -euo pipefail
@@ -11,8 +12,14 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/tools/setup_env.sh"
 cd "$repo"
 NPROC="${NPROC:-2}"
-RUN_DIR="${RUN_DIR:-runs/quickstart}"
-CONFIG=examples/configs/quickstart_cpu.yaml
+FAMILY="${FAMILY:-minimax-m1}"
+case "$FAMILY" in
+    minimax-m1) RUN_DIR="${RUN_DIR:-runs/quickstart}"; CONFIG=examples/configs/quickstart_cpu.yaml; RL_MODEL="" ;;
+    # SFT takes the model from the HF directory's config.json; RL loads SFT's checkpoint of that shape.
+    minimax-m2) RUN_DIR="${RUN_DIR:-runs/quickstart_m2}"; CONFIG=examples/configs/quickstart_m2_cpu.yaml
+                RL_MODEL="--set model.size=tiny-m2" ;;
+    *) echo "error: FAMILY=$FAMILY: use minimax-m1 or minimax-m2" >&2; exit 2 ;;
+esac
 py=.venv/bin/python
 export PYTHONWARNINGS="ignore"
 export OMP_NUM_THREADS=1
@@ -22,12 +29,17 @@ echo "== task data and tokenizer"
 $py tools/make_task_data.py --out "$RUN_DIR/data" --task addition --digits 2 --num-train 4000 --num-test 200 --seed 0 \
     --sft-restate 0.6
 $py tools/train_tokenizer.py --input "$RUN_DIR/data/corpus.txt" --vocab-size 512 --out "$RUN_DIR/tokenizer"
+if [ "$FAMILY" = minimax-m2 ]; then
+    rm -rf "$RUN_DIR/hf"
+    echo "== a random tiny MiniMax-M2 made by transformers"
+    $py tools/make_tiny_hf.py model --family minimax-m2 --vocab-size 512 --out "$RUN_DIR/hf"
+fi
 
 echo "== SFT warm start (torchrun, $NPROC processes)"
 .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m megacispo.sft --config "$CONFIG" ${EXTRA:-}
 
 echo "== CISPO RL (torchrun, $NPROC processes)"
-.venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m megacispo.train --config "$CONFIG" ${EXTRA:-}
+.venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m megacispo.train --config "$CONFIG" $RL_MODEL ${EXTRA:-}
 
 echo
 echo "TensorBoard logs: $RUN_DIR/tensorboard (SFT: $RUN_DIR/sft/tensorboard); checkpoints: $RUN_DIR/checkpoints"

@@ -37,7 +37,7 @@ class Config:
     """Everything a run needs."""
 
     model: HybridModelConfig = field(default_factory=lambda: model_config("tiny"))
-    """The model; in YAML, `size: tiny|small|minimax-m1` plus fields to override."""
+    """The model; in YAML, `size: tiny|small|minimax-m1|tiny-m2|minimax-m2` plus fields to override."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The parallel layout."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -64,6 +64,11 @@ class Config:
     """Held-out evaluation."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metric loggers."""
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest RL prompt, in tokens with BOS: data.max_prompt_tokens, or what the context leaves."""
+        return self.data.max_prompt_tokens or self.model.max_position_embeddings - self.rollout.max_new_tokens
 
 
 def _coerce(value: Any, annotation: Any, path: str) -> Any:

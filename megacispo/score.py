@@ -71,9 +71,9 @@ def _refuse_constant(name: str) -> None:
     raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
-def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any]]:
+def read_records(path: str | os.PathLike, model: HybridModelConfig) -> list[dict[str, Any]]:
     """The input objects; ValueError naming the line for anything that is not a non-empty list of
-    token ids in [0, vocab_size)."""
+    token ids in [0, model.vocab_size), at most model.max_position_embeddings long."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--tokens {path}: no such file.")
@@ -89,11 +89,14 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict[str, Any
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool)
                                                                    for t in tokens):
             raise ValueError(f'--tokens {path} line {number}: expected {{"tokens": [ids]}} with at least one int id.')
-        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        bad = [t for t in tokens if not 0 <= t < model.vocab_size]
         if bad:
-            raise ValueError(
-                f"--tokens {path} line {number}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})."
-            )
+            raise ValueError(f"--tokens {path} line {number}: token id {bad[0]} is outside the model's vocabulary "
+                             f"[0, {model.vocab_size}).")
+        if len(tokens) > model.max_position_embeddings:
+            # Past its context the model was never trained: its log-probs there would mean nothing.
+            raise ValueError(f"--tokens {path} line {number}: {len(tokens)} tokens, more than the model's context, "
+                             f"model.max_position_embeddings = {model.max_position_embeddings}; split or shorten it.")
         records.append(record)
     if not records:
         raise ValueError(f"--tokens {path}: no sequences in it.")
@@ -151,7 +154,7 @@ def run(argv: list[str] | None = None) -> None:
         config, world_size = load_run_config(args), world_size_from_env()
         model, params_dtype = model_config_of(args.load, config)
         parallel = scoring_layout(config.parallel, model, world_size)
-        records = read_records(args.tokens, model.vocab_size)
+        records = read_records(args.tokens, model)
         if args.dry_run:
             print(score_plan(args.load, model, params_dtype, parallel, world_size, len(records)))
             return

@@ -153,7 +153,7 @@ def plan(config: Config, world_size: int) -> str:
         f"EP {parallel.expert_model_parallel_size}, "
         f"sequence parallel {parallel.sequence_parallel}",
         precision_plan(config),
-        f"lengths: prompts up to {max_prompt_tokens(config)} tokens (longer: {config.data.overlong_prompts}) + "
+        f"lengths: prompts up to {config.max_prompt_tokens} tokens (longer: {config.data.overlong_prompts}) + "
         f"{config.rollout.max_new_tokens} new tokens, in a context of {config.model.max_position_embeddings}",
         f"loss: {config.rl.loss.name} {config.rl.loss.params}; {config.rl.updates_per_rollout} updates per rollout batch "
         f"of {config.rollout.prompts_per_step} prompts x {config.rollout.group_size} samples",
@@ -197,10 +197,10 @@ def load_rl_prompt_file(config: Config, tokenizer, name: str) -> tuple[list[Prom
     """The records of data.<name> (train_prompts or test_prompts) held to the RL prompt limit, with
     data/<name>_skipped and data/<name>_truncated: what data.overlong_prompts did to them."""
     data, context = config.data, config.model.max_position_embeddings
-    bound = f"data.max_prompt_tokens = {max_prompt_tokens(config)}"
+    bound = f"data.max_prompt_tokens = {config.max_prompt_tokens}"
     if not data.max_prompt_tokens:
         bound += f" (model.max_position_embeddings {context} - rollout.max_new_tokens {config.rollout.max_new_tokens})"
-    limit = PromptLimit(tokenizer, max_prompt_tokens(config), bound, data.overlong_prompts)
+    limit = PromptLimit(tokenizer, config.max_prompt_tokens, bound, data.overlong_prompts)
     records = _load_data_file(config, name, limit)
     return records, {f"data/{name}_skipped": limit.num_skipped, f"data/{name}_truncated": limit.num_truncated}
 
@@ -375,11 +375,6 @@ def _check_lengths(config: Config) -> None:
         )
 
 
-def max_prompt_tokens(config: Config) -> int:
-    """The longest RL prompt, in tokens with BOS: data.max_prompt_tokens, or what the context leaves."""
-    return config.data.max_prompt_tokens or config.model.max_position_embeddings - config.rollout.max_new_tokens
-
-
 def check_rl_batches(config: Config, data_parallel_size: int) -> None:
     """The rollout batch splits evenly over the data-parallel ranks, then into the K updates and their
     micro-batches: an uneven split leaves a rank without samples, found only after a rollout."""
@@ -401,7 +396,7 @@ def check_rl_batches(config: Config, data_parallel_size: int) -> None:
             f"choose a divisor of {per_rank}"
         )
     _check_micro_batches(config, per_rank // updates, "samples of each update")
-    config.train.check_fits(max_prompt_tokens(config) + rollout.max_new_tokens,
+    config.train.check_fits(config.max_prompt_tokens + rollout.max_new_tokens,
                             "data.max_prompt_tokens, or what the context leaves, + rollout.max_new_tokens")
     _check_rollout_host_memory(config, per_rank)
 
@@ -485,13 +480,31 @@ def _check_micro_batches(config: Config, per_rank: int, what: str) -> None:
 
 
 def _check_compile_decode(config: Config) -> None:
-    """rollout.compile_decode traces the lean decode step, which needs every layer on one pipeline stage."""
+    """rollout.compile_decode traces the lean decode step, which needs every layer on one pipeline stage;
+    where torchrun runs the processes here without CUDA (the CPU back-end), inductor compiles it with a
+    C++ compiler, which must be found now rather than at the first rollout's first step (a traceback
+    deep in inductor). A dry run cannot tell where a run will generate: it checks the layout only."""
+    if not config.rollout.compile_decode:
+        return
     pipeline = config.parallel.pipeline_model_parallel_size
-    if config.rollout.compile_decode and pipeline != 1:
+    if pipeline != 1:
         raise ValueError(
             f"rollout.compile_decode = true needs parallel.pipeline_model_parallel_size = 1, got {pipeline}: "
             "the compiled decode step is the lean step of every layer on one stage; set rollout.compile_decode=false"
         )
+    if "LOCAL_WORLD_SIZE" not in os.environ or torch.cuda.is_available():
+        return
+    # Imported here: inductor's import takes a second, which only a CPU run that compiles needs.
+    from torch._inductor import config as inductor_config, cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        raise ValueError(
+            f"rollout.compile_decode = true on a CPU compiles the decode step with a C++ compiler, and none of "
+            f"{[c for c in inductor_config.cpp.cxx if c]} runs here: install g++ (or set CXX to one), or set "
+            "rollout.compile_decode=false"
+        ) from None
 
 
 def config_rollout_bytes(config: Config) -> int:
@@ -504,7 +517,7 @@ def config_rollout_bytes(config: Config) -> int:
     return max(
         rollout_cache_bytes(
             model, range(stage * per_stage, (stage + 1) * per_stage), slots=config.rollout.max_running,
-            max_length=max_prompt_tokens(config) + config.rollout.max_new_tokens,
+            max_length=config.max_prompt_tokens + config.rollout.max_new_tokens,
             tensor_parallel=parallel.tensor_model_parallel_size, kv_bytes=kv_bytes,
         )
         for stage in range(pp)
@@ -523,10 +536,21 @@ def _check_rollout_memory(config: Config) -> None:
             "at once, which no cap bounds; set rollout.max_running"
         )
     needed = config_rollout_bytes(config) / GIB
-    if needed > cap:
+    if needed <= cap:
+        return
+    # A slot's cache is the same at any slot count: the cap holds cap / per_slot of them, exactly.
+    per_slot = needed / slots
+    length = f"{config.max_prompt_tokens + config.rollout.max_new_tokens} tokens per sequence"
+    if per_slot > cap:
         raise ValueError(
-            f"rollout.max_running = {slots} slots need {needed:.2f} GiB of rollout cache at "
-            f"{max_prompt_tokens(config) + config.rollout.max_new_tokens} tokens per sequence, over "
-            f"rollout.max_cache_gib = {cap:g}: lower rollout.max_running (about {int(slots * cap / needed)} fit) "
-            "or raise the cap"
+            f"rollout.max_cache_gib = {cap:g} is below the {per_slot:.3g} GiB of rollout cache one slot needs at "
+            f"{length}: raise rollout.max_cache_gib to at least {per_slot:.3g}, or lower rollout.max_new_tokens "
+            "or data.max_prompt_tokens"
         )
+    # Refused rather than lowered: the slots set the rollout's throughput, which a week-long run plans on;
+    # the fix costs one restart now, a silently slower rollout costs every step.
+    raise ValueError(
+        f"rollout.max_running = {slots} slots need {needed:.3g} GiB of rollout cache at {length} "
+        f"({per_slot:.3g} GiB each), over rollout.max_cache_gib = {cap:g}: lower rollout.max_running to "
+        f"{int(cap // per_slot)} (what the cap holds) or raise the cap to {needed:.3g}"
+    )

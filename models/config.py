@@ -1,9 +1,15 @@
-"""The hybrid lightning-attention MoE model's configuration: its fields, their validation, the named
-sizes, the parameter count, and its translation to Megatron-Core's TransformerConfig.
+"""The MiniMax MoE models' configuration: its fields, their validation, the named sizes, the
+parameter count, and its translation to Megatron-Core's TransformerConfig.
 
-The layer pattern is a string of ``L`` (lightning attention) and ``S`` (softmax attention) repeated
-over the layers: MiniMax-M1's 80 layers are ``"LLLLLLLS"`` ten times (softmax attention at 0-based
-layers 7, 15, ..., 79).
+Two families share the layers (``model.family``):
+
+- ``minimax-m1``: the hybrid lightning-attention model. The layer pattern is a string of ``L``
+  (lightning attention) and ``S`` (softmax attention) repeated over the layers: MiniMax-M1's 80
+  layers are ``"LLLLLLLS"`` ten times (softmax attention at 0-based layers 7, 15, ..., 79). The
+  residual carries the normalized input, scaled (``*_alpha_factor``); the router is a softmax.
+- ``minimax-m2``: MiniMax-M2 / M2.1 / M2.5, every layer softmax attention with QK-norm (an RMSNorm
+  over all heads' projected queries, and one over the keys), the plain pre-norm residual, and a
+  sigmoid router whose per-expert score-correction bias chooses the experts but does not weigh them.
 
 How the model computes (weight dtype, FP8 GEMMs through Transformer Engine, activation recompute)
 is not architecture: ``PrecisionConfig`` and ``RecomputeConfig`` hold it, and ``transformer_config``
@@ -21,12 +27,17 @@ from megacispo.parallel.layout import FP32_MATMUL_PRECISIONS, ModelShape, Parall
 
 LIGHTNING = "L"
 SOFTMAX = "S"
+M1 = "minimax-m1"
+M2 = "minimax-m2"
+FAMILIES = (M1, M2)
 
 
 @dataclass(kw_only=True)
 class HybridModelConfig:
-    """Dimensions and numerics of a MiniMax-M1 style hybrid lightning-attention MoE decoder."""
+    """Dimensions and numerics of a MiniMax MoE decoder: M1's hybrid lightning attention or M2's."""
 
+    family: str = "minimax-m1"
+    """minimax-m1 (hybrid lightning/softmax, scaled post-norm residual, softmax router) or minimax-m2 (softmax attention with QK-norm, pre-norm residual, sigmoid router with a selection bias)."""
     num_layers: int
     """Decoder layers L (lightning and softmax together)."""
     hidden_size: int
@@ -49,6 +60,8 @@ class HybridModelConfig:
     """Intermediate width I of each SwiGLU expert."""
     moe_aux_loss_coeff: float = 1e-3
     """Coefficient of the Switch-style load-balancing loss."""
+    moe_router_bias_update_rate: float = 0.0
+    """minimax-m2: each update moves every expert's selection bias this far toward equal loads (aux-loss-free balancing; 0: the bias stays as loaded)."""
     vocab_size: int
     """Vocabulary size V (untied embedding and LM head)."""
     norm_eps: float = 1e-5
@@ -92,6 +105,17 @@ class HybridModelConfig:
         for name in ("norm_eps", "lightning_norm_eps", "rotary_base"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} = {getattr(self, name)!r}: it must be positive.")
+        if self.family not in FAMILIES:
+            raise ValueError(f"model.family = {self.family!r}: choose one of {', '.join(FAMILIES)}.")
+        if self.moe_router_bias_update_rate < 0:
+            raise ValueError(
+                f"model.moe_router_bias_update_rate = {self.moe_router_bias_update_rate!r}: it must be >= 0 (0: off)."
+            )
+        if self.family == M1 and self.moe_router_bias_update_rate:
+            raise ValueError(
+                f"model.moe_router_bias_update_rate = {self.moe_router_bias_update_rate!r} with model.family = "
+                f"{M1!r}: M1's softmax router has no selection bias; set it to 0."
+            )
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(
                 f"model.moe_aux_loss_coeff = {self.moe_aux_loss_coeff!r}: it must be >= 0 (0 turns it off)."
@@ -122,6 +146,36 @@ class HybridModelConfig:
                 f"divide num_layers = {self.num_layers}: give a pattern whose length divides the layer count "
                 f"(or one character per layer)."
             )
+        if self.family == M2:
+            self._validate_m2()
+
+    def _validate_m2(self) -> None:
+        if set(self.layer_pattern) != {SOFTMAX}:
+            raise ValueError(
+                f"model.layer_pattern = {self.layer_pattern!r} with model.family = {M2!r}: every M2 layer is softmax "
+                f"attention; set model.layer_pattern = {SOFTMAX!r}."
+            )
+        for name in RESIDUAL_FACTORS:
+            if getattr(self, name) != 1.0:
+                raise ValueError(
+                    f"model.{name} = {getattr(self, name)!r} with model.family = {M2!r}: M2's residual is the "
+                    f"plain pre-norm x + f(norm(x)); set it to 1.0."
+                )
+
+    @property
+    def prenorm_residual(self) -> bool:
+        """x + f(norm(x)) (M2) rather than M1's alpha * norm(x) + beta * f(norm(x))."""
+        return self.family == M2
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorms over the projected queries and keys (all heads together) before RoPE (M2)."""
+        return self.family == M2
+
+    @property
+    def router_score_function(self) -> str:
+        """Megatron's moe_router_score_function: softmax (M1) or sigmoid with the selection bias (M2)."""
+        return "sigmoid" if self.family == M2 else "softmax"
 
     def layer_kind(self, layer_idx: int) -> str:
         """'L' or 'S' for the 0-based global layer index."""
@@ -145,9 +199,19 @@ class HybridModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+RESIDUAL_FACTORS = ("linear_attn_alpha_factor", "linear_attn_beta_factor", "full_attn_alpha_factor",
+                    "full_attn_beta_factor", "mlp_alpha_factor", "mlp_beta_factor")
+
+
 def deepnorm_alpha(num_layers: int) -> float:
     """MiniMax's residual weight alpha = (2 L)^(1/4)."""
     return (2 * num_layers) ** 0.25
+
+
+def _sized_m2(**fields) -> HybridModelConfig:
+    """An M2 shape: softmax attention in every layer, the residual factors 1."""
+    return HybridModelConfig(family=M2, layer_pattern=SOFTMAX, linear_attn_alpha_factor=1.0, full_attn_alpha_factor=1.0,
+                             mlp_alpha_factor=1.0, **fields)
 
 
 def _sized(num_layers: int, **fields) -> HybridModelConfig:
@@ -180,6 +244,18 @@ MODEL_SIZES = {
         rotary_base=10_000_000.0, num_experts=32, moe_router_topk=2, moe_ffn_hidden_size=9216,
         vocab_size=200_064, lightning_block_size=256, max_position_embeddings=10_240_000,
     ),
+    # CPU tests of the M2 family: the tiny shape with M2's layers.
+    "tiny-m2": lambda: _sized_m2(
+        num_layers=8, hidden_size=64, num_attention_heads=4, head_dim=16, num_query_groups=2, rotary_dim=8,
+        rotary_base=5_000_000.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, vocab_size=512,
+        norm_eps=1e-6, max_position_embeddings=4096,
+    ),
+    # MiniMax-M2 / M2.1 / M2.5 (about 230B total, 10B activated).
+    "minimax-m2": lambda: _sized_m2(
+        num_layers=62, hidden_size=3072, num_attention_heads=48, head_dim=128, num_query_groups=8, rotary_dim=64,
+        rotary_base=5_000_000.0, num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=1536, vocab_size=200_064,
+        norm_eps=1e-6, max_position_embeddings=196_608,
+    ),
 }
 
 
@@ -203,7 +279,8 @@ def parameter_breakdown(config: HybridModelConfig) -> dict[str, int]:
         "lm_head": config.vocab_size * hidden,
         # qkv_proj, output_gate, out_proj and the output RMSNorm over nh * d channels.
         "lightning_attention": num_lightning * (3 * hidden * width + 2 * hidden * width + width),
-        "softmax_attention": num_softmax * (2 * hidden * width + 2 * hidden * kv_width),
+        "softmax_attention": num_softmax * (2 * hidden * width + 2 * hidden * kv_width
+                                            + (width + kv_width if config.qk_norm else 0)),
         "router": config.num_layers * config.num_experts * hidden,
         "experts": config.num_layers * config.num_experts * expert,
         "norms": (2 * config.num_layers + 1) * hidden,
@@ -497,9 +574,12 @@ def transformer_config(
         moe_ffn_hidden_size=config.moe_ffn_hidden_size,
         moe_aux_loss_coeff=config.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss",
-        # Top-k of the logits, then softmax over the k: the same as softmax, top-k, renormalize.
+        # M1: top-k of the logits, then softmax over the k: the same as softmax, top-k, renormalize.
+        # M2: sigmoid scores, top-k of the scores plus the selection bias, the k scores renormalized.
         moe_router_pre_softmax=False,
-        moe_router_score_function="softmax",
+        moe_router_score_function=config.router_score_function,
+        moe_router_enable_expert_bias=config.family == M2,
+        moe_router_bias_update_rate=config.moe_router_bias_update_rate,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="alltoall",
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,

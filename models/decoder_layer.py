@@ -1,11 +1,14 @@
 """The hybrid decoder layer and the ModuleSpecs that assemble a stage of the model.
 
-One layer class for every layer; the layer pattern only decides which mixer spec (lightning or
-softmax attention) and which residual factors a layer's spec carries. The residual is MiniMax's
+One layer class for every layer of both families; the layer pattern only decides which mixer spec
+(lightning or softmax attention) and which residual factors a layer's spec carries, the family
+whether the softmax mixer has QK-norm and which residual the layer adds. M1's residual is MiniMax's
 scaled post-norm (the residual carries the normalized input):
 
     h  = input_layernorm(x);    x = alpha_mix * h  + beta_mix * mixer(h)
     h2 = pre_mlp_layernorm(x);  x = alpha_mlp * h2 + beta_mlp * moe(h2)
+
+M2's is the plain pre-norm one: x = x + mixer(input_layernorm(x)); x = x + moe(pre_mlp_layernorm(x)).
 
 The MoE is Megatron-Core's MoELayer, taken from Megatron's own local GPT layer spec: a TopKRouter
 (softmax over the top-k logits in fp32 = softmax, top-k, renormalize) and SequentialMLP experts
@@ -47,12 +50,18 @@ from megatron.core.utils import get_pg_rank
 
 from megacispo.models import te_specs
 from megacispo.models.config import LIGHTNING, HybridModelConfig
-from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP, StackingTEGroupedMLP
+from megacispo.models.experts import (
+    InProcessMoELayer,
+    PaddingMaskedTopKRouter,
+    SkipEmptySequentialMLP,
+    StackingTEGroupedMLP,
+)
 from megacispo.models.layers import (
     AttentionStep,
     InferenceCache,
     RMSNorm,
     ScaledResidual,
+    TensorParallelRMSNorm,
     local_column_parallel_linear,
     row_parallel_linear,
 )
@@ -85,6 +94,7 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         mixer_beta: float,
         mlp_alpha: float,
         mlp_beta: float,
+        prenorm_residual: bool = False,
         recompute: bool = False,
     ) -> None:
         super().__init__(config=config)
@@ -97,6 +107,7 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
         self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
         self.mixer_residual = ScaledResidual(mixer_alpha, mixer_beta)
         self.mlp_residual = ScaledResidual(mlp_alpha, mlp_beta)
+        self.prenorm_residual = prenorm_residual
         norm_args = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.input_layernorm = build_module(submodules.input_layernorm, **norm_args)
         self.self_attention = build_module(
@@ -164,21 +175,31 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
             packed_seq_params=packed_seq_params,
             inference_context=inference_context,
         )
-        hidden_states = self.mixer_residual(normed, mixed)
+        hidden_states = self.mixer_residual(hidden_states if self.prenorm_residual else normed, mixed)
         normed = self.pre_mlp_layernorm(hidden_states)
         moe_out, _ = self.mlp(normed, padding_mask=padding_mask)
-        return self.mlp_residual(normed, moe_out)
+        return self.mlp_residual(hidden_states if self.prenorm_residual else normed, moe_out)
 
     def step(self, hidden: torch.Tensor, cache: InferenceCache, attention: AttentionStep | None = None) -> torch.Tensor:
         """One token per sequence, for HybridModel.decode_step: hidden [b, H] (every TP rank the same) -> [b, H],
         what forward computes for a one-token decode step, through the mixer's and the MoE's
         ``step`` (no Megatron linears, router or token dispatcher in this process), each of which adds
         its residual in its last product. ``attention``: what the step's softmax layers share
-        (``AttentionStep``; None in a model without them)."""
+        (``AttentionStep``; None in a model without them). With the pre-norm residual (M2) the steps
+        return their updates alone (``UPDATE_ONLY``: their products read no residual) and the layer
+        adds them to its input, one add each."""
+        if self.prenorm_residual:
+            hidden = hidden + self.self_attention.step(self.input_layernorm.step(hidden), cache, attention, UPDATE_ONLY)
+            return hidden + self.mlp.step(self.pre_mlp_layernorm.step(hidden), UPDATE_ONLY, cache.rows_agree)
         normed = self.input_layernorm.step(hidden)
         hidden = self.self_attention.step(normed, cache, attention, self.mixer_residual)
         normed = self.pre_mlp_layernorm.step(hidden)
         return self.mlp.step(normed, self.mlp_residual, cache.rows_agree)
+
+
+# A step's update without its residual: alpha 0 (row_parallel_step's addmm and the experts' last product
+# then read no residual), beta 1 (no product).
+UPDATE_ONLY = ScaledResidual(0.0, 1.0)
 
 
 def local_moe_spec(num_experts: int) -> ModuleSpec:
@@ -188,7 +209,8 @@ def local_moe_spec(num_experts: int) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp
     experts = dataclasses.replace(spec.submodules.experts, module=SkipEmptySequentialMLP)
     return dataclasses.replace(
-        spec, module=InProcessMoELayer, submodules=dataclasses.replace(spec.submodules, experts=experts)
+        spec, module=InProcessMoELayer,
+        submodules=dataclasses.replace(spec.submodules, experts=experts, router=PaddingMaskedTopKRouter),
     )
 
 
@@ -211,7 +233,7 @@ def te_moe_spec(num_experts: int) -> ModuleSpec:
     )
     return ModuleSpec(
         module=InProcessMoELayer,
-        submodules=MoESubmodules(experts=experts),
+        submodules=MoESubmodules(experts=experts, router=PaddingMaskedTopKRouter),
         metainfo={"fuse_pre_mlp_layernorm": False},
     )
 
@@ -258,9 +280,11 @@ def mixer_spec(hybrid_config: HybridModelConfig, kind: str, backend: LayerBacken
             params={"block_size": hybrid_config.lightning_block_size, "norm_eps": hybrid_config.lightning_norm_eps},
             submodules=LightningMixerSubmodules(qkv_proj=column, output_gate=column, out_proj=row),
         )
+    qk_norm = TensorParallelRMSNorm if hybrid_config.qk_norm else None
     return ModuleSpec(
         module=SoftmaxAttention,
-        submodules=SoftmaxAttentionSubmodules(q_proj=column, k_proj=column, v_proj=column, o_proj=row),
+        submodules=SoftmaxAttentionSubmodules(q_proj=column, k_proj=column, v_proj=column, o_proj=row,
+                                              q_norm=qk_norm, k_norm=qk_norm),
     )
 
 
@@ -274,7 +298,7 @@ def layer_spec(
         module=HybridDecoderLayer,
         params={
             "mixer_alpha": mixer_alpha, "mixer_beta": mixer_beta, "mlp_alpha": mlp_alpha, "mlp_beta": mlp_beta,
-            "recompute": recompute,
+            "prenorm_residual": hybrid_config.prenorm_residual, "recompute": recompute,
         },
         submodules=HybridLayerSubmodules(
             self_attention=mixer_spec(hybrid_config, hybrid_config.layer_kind(layer_idx), backend),

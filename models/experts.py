@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megacispo.models.layers import (
@@ -472,6 +473,19 @@ class StackingTEGroupedMLP(TEGroupedMLP, StacksExpertWeights):
         return [(self.linear_fc1, f"weight{i}") for i in experts], [(self.linear_fc2, f"weight{i}") for i in experts]
 
 
+class PaddingMaskedTopKRouter(TopKRouter):
+    """Megatron-Core's TopKRouter, whose selection-bias token counts (M2's aux-loss-free balancing) leave
+    out the padding: Megatron-Core 0.16.1's ``_apply_expert_bias`` ands the flattened padding mask [T]
+    with the routing map [T, E] (a broadcast error at any T other than E) where each token's row is meant."""
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask[:, None]
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
 class InProcessMoELayer(MoELayer):
     """MoELayer whose no-grad forward with all experts local routes tokens without the dispatcher,
     and whose ``step`` (one token per sequence, decoding) also bypasses Megatron's router module."""
@@ -496,12 +510,13 @@ class InProcessMoELayer(MoELayer):
         # tokens on every rank: its step needs no gather, and adds the experts' outputs with an all-reduce.
         self._ep_shares_tokens = set(torch.distributed.get_process_group_ranks(self.ep_group)) <= attention_tp_ranks
         self._expert_tp_size, self._expert_tp_rank = dispatcher.tp_size, dispatcher.tp_group.rank()
-        # What ``_route_tokens`` reproduces of TopKRouter: the softmax over the top-k logits
-        # (topk_routing_with_score_function without pre-softmax, groups or fusion), no input jitter,
-        # no bias, no Megatron replay (HybridModel attaches its own routing hook after this check;
-        # ``step`` records through it); its z-loss, aux losses and expert-bias counts only act under autograd.
+        # What ``_route_tokens`` reproduces of TopKRouter: the softmax over the top-k logits (M1), or
+        # the sigmoid scores chosen with the selection bias (M2), as topk_routing_with_score_function
+        # computes them without pre-softmax, groups or fusion; no input jitter, no linear bias, no Megatron
+        # replay (HybridModel attaches its own routing hook after this check; ``step`` records through
+        # it); its z-loss, aux losses and expert-bias counts only act under autograd.
         self._plain_topk_router = (
-            config.moe_router_score_function == "softmax"
+            config.moe_router_score_function in ("softmax", "sigmoid")
             and not config.moe_router_pre_softmax
             and not config.moe_router_group_topk
             and not config.moe_router_fusion
@@ -642,13 +657,22 @@ class InProcessMoELayer(MoELayer):
 
     def _route_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [T, H] -> (probs [T, k], experts [T, k]), as TopKRouter (``_plain_topk_router``)
-        computes them without autograd: the gating matmul in moe_router_dtype
-        (router_gating_linear), the top-k logits, softmax over them in fp32, then the scaling factor."""
+        computes them without autograd: the gating matmul in moe_router_dtype (router_gating_linear);
+        softmax: the top-k logits, softmax over them in fp32; sigmoid: the sigmoid scores, the top-k of
+        scores + expert_bias (the selection bias, where the router has one), those k scores renormalized;
+        then the scaling factor."""
         config = self.config
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype, tokens.dtype)
         logits = torch.mm(tokens.to(router_dtype), self.router.weight.to(router_dtype).t())  # [T, E]
-        scores, top_experts = torch.topk(logits, k=self.router.topk, dim=1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+        if config.moe_router_score_function == "sigmoid":
+            scores = torch.sigmoid(logits.float()).type_as(logits)
+            chosen = scores if self.router.expert_bias is None else scores + self.router.expert_bias
+            top_experts = torch.topk(chosen, k=self.router.topk, dim=1).indices
+            scores = scores.gather(1, top_experts)
+            probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if self.router.topk > 1 else scores
+        else:
+            scores, top_experts = torch.topk(logits, k=self.router.topk, dim=1)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
         if config.moe_router_topk_scaling_factor:
             probs = probs * config.moe_router_topk_scaling_factor
         return probs, top_experts

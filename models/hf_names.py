@@ -22,6 +22,15 @@ HF's MiniMaxConfig applies RoPE to the whole head_dim (the original MiniMax code
 first rotary_dim = head_dim / 2 channels); the rotary width is therefore carried separately:
 ``config_to_hf`` records it as ``rotary_dim`` (the original config's field) and
 ``config_from_hf`` reads it back, defaulting to what HF computes (head_dim).
+
+MiniMax-M2 (transformers' ``minimax_m2``: MiniMaxM2Config, MiniMaxM2ForCausalLM) has the same names
+for what it shares with M1's softmax layers and MoE, and three more per layer: the QK-norms
+``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight`` and the router's selection bias
+``block_sparse_moe.e_score_correction_bias`` (fused: ``mlp.e_score_correction_bias``), Megatron's
+``mlp.router.expert_bias``. transformers honours M2's partial RoPE (``rotary_dim``, or
+``partial_rotary_factor`` of head_dim), so HF and megacispo compute the same rotation. The released
+configs carry fields transformers drops (``scoring_func``, ``use_routing_bias``, ``use_qk_norm``...):
+``config_from_hf`` reads them and refuses what this model does not compute.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from megacispo.models.config import LIGHTNING, SOFTMAX, HybridModelConfig
+from megacispo.models.config import LIGHTNING, M1, M2, RESIDUAL_FACTORS, SOFTMAX, HybridModelConfig
 
 LEGACY = "legacy"
 FUSED = "fused"
@@ -62,7 +71,13 @@ MIXER_NAMES = {
         "self_attention.o_proj.weight": "self_attn.o_proj.weight",
     },
 }
+QK_NORM_NAMES = {
+    "self_attention.q_norm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_norm.weight": "self_attn.k_norm.weight",
+}
 ROUTER_KEY = "mlp.router.weight"
+ROUTER_BIAS_KEY = "mlp.router.expert_bias"
+ROUTER_BIAS_NAMES = {LEGACY: "block_sparse_moe.e_score_correction_bias", FUSED: "mlp.e_score_correction_bias"}
 EXPERT_FC1_KEY = "mlp.experts.experts.linear_fc1.weight"  # [E, 2I, H]: per expert [W1; W3]
 EXPERT_FC2_KEY = "mlp.experts.experts.linear_fc2.weight"  # [E, H, I]: per expert W2
 ROUTER_NAMES = {LEGACY: "block_sparse_moe.gate.weight", FUSED: "mlp.gate.weight"}
@@ -70,6 +85,9 @@ FUSED_EXPERT_NAMES = {EXPERT_FC1_KEY: "mlp.experts.gate_up_proj", EXPERT_FC2_KEY
 LEGACY_EXPERT_NAME = "block_sparse_moe.experts.{expert}.{matrix}.weight"
 
 HF_LAYER_TYPES = {LIGHTNING: "linear_attention", SOFTMAX: "full_attention"}
+# config.json's model_type and architectures of each family, as transformers saves them.
+HF_MODEL_TYPES = {M1: "minimax", M2: "minimax_m2"}
+HF_ARCHITECTURES = {M1: "MiniMaxForCausalLM", M2: "MiniMaxM2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,8 @@ def tensor_mappings(config: HybridModelConfig, experts_layout: str = LEGACY) -> 
     for layer in range(config.num_layers):
         ours, theirs = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         names = {**LAYER_NAMES, **MIXER_NAMES[config.layer_kind(layer)], ROUTER_KEY: ROUTER_NAMES[experts_layout]}
+        if config.family == M2:
+            names.update({**QK_NORM_NAMES, ROUTER_BIAS_KEY: ROUTER_BIAS_NAMES[experts_layout]})
         mappings += [_rename(ours + suffix, theirs + name) for suffix, name in names.items()]
         if experts_layout == FUSED:
             mappings += [_rename(ours + key, theirs + name) for key, name in FUSED_EXPERT_NAMES.items()]
@@ -163,63 +183,97 @@ def _pattern_from_layer_types(layer_types: list[str]) -> str:
     raise AssertionError("the whole string is always a period")
 
 
+def hf_family(model_type: Any) -> str | None:
+    """The family of a config.json's model_type (None: not a MiniMax model megacispo reads)."""
+    return next((family for family, name in HF_MODEL_TYPES.items() if name == model_type), None)
+
+
 def config_from_hf(hf_config: Any, *, rotary_dim: int | None = None) -> HybridModelConfig:
-    """Our config from a transformers MiniMaxConfig (or its config.json dict).
+    """Our config from a transformers MiniMaxConfig or MiniMaxM2Config (or its config.json dict).
 
     rotary_dim: the rotated channels per head; default the config's own ``rotary_dim`` if it has
-    one (original MiniMax configs and ours), else head_dim, which is what HF transformers computes.
+    one (original MiniMax configs, M2's and ours), else M2's partial_rotary_factor x head_dim, else
+    head_dim, which is what HF transformers computes for M1.
     """
     if isinstance(hf_config, Mapping):
         get = hf_config.get
     else:
         def get(name: str, default: Any = None) -> Any:
             return getattr(hf_config, name, default)
+    family = hf_family(get("model_type")) or M1
+    if family == M2:
+        _check_m2_fields(get)
     if get("tie_word_embeddings", False):
         raise ValueError("HF config has tie_word_embeddings = true: this model has an untied LM head.")
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     head_dim = get("head_dim") or hidden // heads
-    rope = get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"HF rope_parameters.rope_type = {rope['rope_type']!r}: only plain RoPE ('default') is supported."
-        )
+    # Released M2 configs say rope_scaling (null); transformers says rope_parameters.
+    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"HF config rope type {rope_type!r} (rope_parameters or rope_scaling): megacispo computes "
+                         "plain RoPE ('default') only; use a checkpoint without RoPE scaling")
     rotary_base = rope.get("rope_theta", get("rope_theta"))
     if rotary_base is None:
         raise ValueError("HF config has no rope_parameters.rope_theta (nor rope_theta): the RoPE base is needed.")
-    layer_types = get("layer_types")
-    return HybridModelConfig(
+    factor = rope.get("partial_rotary_factor", get("partial_rotary_factor")) if family == M2 else None
+    common = dict(
+        family=family,
         num_layers=get("num_hidden_layers"),
         hidden_size=hidden,
         num_attention_heads=heads,
         head_dim=head_dim,
         num_query_groups=get("num_key_value_heads") or heads,
-        rotary_dim=rotary_dim or get("rotary_dim") or head_dim,
+        rotary_dim=rotary_dim or get("rotary_dim") or (round(factor * head_dim) if factor else head_dim),
         rotary_base=float(rotary_base),
         num_experts=get("num_local_experts"),
         moe_router_topk=get("num_experts_per_tok"),
         moe_ffn_hidden_size=get("intermediate_size"),
         moe_aux_loss_coeff=get("router_aux_loss_coef", 1e-3),
         vocab_size=get("vocab_size"),
-        norm_eps=get("rms_norm_eps", 1e-5),
-        linear_attn_alpha_factor=float(get("linear_attn_alpha_factor", 1.0)),
-        linear_attn_beta_factor=float(get("linear_attn_beta_factor", 1.0)),
-        full_attn_alpha_factor=float(get("full_attn_alpha_factor", 1.0)),
-        full_attn_beta_factor=float(get("full_attn_beta_factor", 1.0)),
-        mlp_alpha_factor=float(get("mlp_alpha_factor", 1.0)),
-        mlp_beta_factor=float(get("mlp_beta_factor", 1.0)),
-        lightning_block_size=get("block_size", 256),
-        layer_pattern=_pattern_from_layer_types(list(layer_types)),
         max_position_embeddings=get("max_position_embeddings"),
+    )
+    if family == M2:
+        return HybridModelConfig(**common, norm_eps=get("rms_norm_eps", 1e-6), layer_pattern=SOFTMAX,
+                                 **{name: 1.0 for name in RESIDUAL_FACTORS})
+    return HybridModelConfig(
+        **common,
+        norm_eps=get("rms_norm_eps", 1e-5),
+        **{name: float(get(name, 1.0)) for name in RESIDUAL_FACTORS},
+        lightning_block_size=get("block_size", 256),
+        layer_pattern=_pattern_from_layer_types(list(get("layer_types"))),
     )
 
 
-def config_to_hf(config: HybridModelConfig) -> dict[str, Any]:
-    """Keyword arguments of transformers' MiniMaxConfig (also a config.json body) for our config.
+# M2 config.json fields that transformers drops, and the one value of each that megacispo computes.
+M2_FIXED_FIELDS = {
+    "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True, "qk_norm_type": "per_layer",
+    "shared_intermediate_size": 0, "routed_scaling_factor": 1.0, "sliding_window": None, "attn_window_size": None,
+}
 
-    HF ignores ``rotary_dim`` and rotates whole heads: a model with rotary_dim < head_dim runs
+
+def _check_m2_fields(get: Callable[..., Any]) -> None:
+    """Every field of an M2 config.json whose value this model does not compute, refused by name."""
+    for name, value in M2_FIXED_FIELDS.items():
+        found = get(name, value)
+        if found != value and not (name == "sliding_window" and found in (0, -1)):
+            raise ValueError(f"HF config field {name} = {found!r}: megacispo's MiniMax-M2 computes {name} = {value!r} "
+                             "only; use a checkpoint with that value")
+    if get("num_expert_group") not in (None, 1) or get("topk_group") not in (None, 1):
+        raise ValueError(f"HF config fields num_expert_group = {get('num_expert_group')!r}, topk_group = "
+                         f"{get('topk_group')!r}: megacispo's MiniMax-M2 routes over all experts as one group; use "
+                         "a checkpoint without grouped routing")
+
+
+def config_to_hf(config: HybridModelConfig) -> dict[str, Any]:
+    """Keyword arguments of transformers' MiniMaxConfig or MiniMaxM2Config (also a config.json body, with
+    model_type and architectures) for our config; M2's with the released configs' fields that
+    transformers drops.
+
+    M1: HF ignores ``rotary_dim`` and rotates whole heads: a model with rotary_dim < head_dim runs
     differently in HF transformers (see the module docstring); the field preserves the width.
     """
-    return {
+    common = {
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.moe_ffn_hidden_size,
@@ -236,12 +290,13 @@ def config_to_hf(config: HybridModelConfig) -> dict[str, Any]:
         "router_aux_loss_coef": config.moe_aux_loss_coeff,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base},
         "rotary_dim": config.rotary_dim,
+    }
+    if config.family == M2:
+        common["rope_parameters"]["partial_rotary_factor"] = config.rotary_dim / config.head_dim
+        return {**common, **{name: value for name, value in M2_FIXED_FIELDS.items() if value is not None}}
+    return {
+        **common,
         "layer_types": [HF_LAYER_TYPES[kind] for kind in config.layer_kinds],
         "block_size": config.lightning_block_size,
-        "linear_attn_alpha_factor": config.linear_attn_alpha_factor,
-        "linear_attn_beta_factor": config.linear_attn_beta_factor,
-        "full_attn_alpha_factor": config.full_attn_alpha_factor,
-        "full_attn_beta_factor": config.full_attn_beta_factor,
-        "mlp_alpha_factor": config.mlp_alpha_factor,
-        "mlp_beta_factor": config.mlp_beta_factor,
+        **{name: getattr(config, name) for name in RESIDUAL_FACTORS},
     }

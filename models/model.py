@@ -66,6 +66,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
+from megacispo.models.compiling import code_copy
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.decoder_layer import block_spec
 from megacispo.models.layers import (
@@ -634,8 +635,10 @@ class HybridModel(LanguageModule):
 
     def _compiled_lean_stage(self):
         """``_lean_stage`` through torch.compile, built on the first compiled step. Batch 1 and larger
-        batches get a graph each (the batch size and the buffers' capacity are dynamic in it); the span,
-        a Python number, turns dynamic after one recompile. On CUDA the graph runs as CUDA graphs
+        batches get a graph each (the batch size, the buffers' capacity and the span are dynamic in it
+        from the first compile, ``dynamic=True``: a static graph first, then a dynamic one, would cost
+        two of the code's torch._dynamo.config.recompile_limit = 8 graphs; a rollout of many shapes
+        compiles 6 with inductor, tests/slow/test_decode_catalog.py). On CUDA the graph runs as CUDA graphs
         (inductor's cudagraph trees), one recorded per shape: the span is bucketed and the rollout's
         rows are too (megacispo.rollout.generate), so a rollout records a few, each replayed at every
         step of its bucket; the cache's buffers are marked as static addresses (mutated in place), and
@@ -652,7 +655,7 @@ class HybridModel(LanguageModule):
                 "rollout.compile_decode=false for this layout"
             )
         if self._compiled_lean is None:
-            self._compiled_lean = torch.compile(_own_code(self._lean_stage),
+            self._compiled_lean = torch.compile(_own_code(self._lean_stage), dynamic=True,
                                                 options=lean_compile_options(self.lm_head_weight.device))
         return self._compiled_lean
 
@@ -712,12 +715,8 @@ def _default_positions(input_ids: torch.Tensor, packed_seq_params: PackedSeqPara
 
 
 def _own_code(method: types.MethodType) -> types.MethodType:
-    """``method`` bound to its object through a function with a code object of its own (the same code):
-    dynamo's cache of compiled graphs, kept on the code object, is then the object's alone."""
-    function = method.__func__
-    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                             function.__defaults__, function.__closure__)
-    return types.MethodType(own, method.__self__)
+    """``method`` bound to its object through a ``code_copy`` of its function: the object's graphs alone."""
+    return types.MethodType(code_copy(method.__func__), method.__self__)
 
 
 def _check_left_padded(attention_mask: torch.Tensor) -> None:

@@ -1,7 +1,9 @@
 """The softmax-attention mixer as a Megatron-Core module: GQA with separate column-parallel q/k/v
-projections (HF's q_proj / k_proj / v_proj, each split by heads under TP), RoPE on the first
-rotary_dim channels of each head, scale 1/sqrt(head_dim), causal, torch's
-scaled_dot_product_attention, row-parallel o_proj. A KV cache serves decoding.
+projections (HF's q_proj / k_proj / v_proj, each split by heads under TP), M2's QK-norm where the
+spec has it (q_norm / k_norm: an RMSNorm over all heads' projected queries, one over the keys, their
+mean of squares summed over the TP group), RoPE on the first rotary_dim channels of each head, scale
+1/sqrt(head_dim), causal, torch's scaled_dot_product_attention, row-parallel o_proj. A KV cache
+serves decoding.
 
 Packed rows (documents laid end to end in batch 1, packed_seq_params) attend causally within each
 document; ``attend_documents`` picks the kernel by device. Under context parallelism (a packed row
@@ -60,12 +62,15 @@ class PackedRowParams(PackedSeqParams):
 
 @dataclass
 class SoftmaxAttentionSubmodules:
-    """Builders of the projections, each called as (config, input_size, output_size, tp_group)."""
+    """Builders of the projections, each called as (config, input_size, output_size, tp_group), and of
+    the QK-norms, called as (config, width, eps, tp_group) (None: no QK-norm, M1)."""
 
     q_proj: Callable = local_column_parallel_linear
     k_proj: Callable = local_column_parallel_linear
     v_proj: Callable = local_column_parallel_linear
     o_proj: Callable = row_parallel_linear
+    q_norm: Callable | None = None
+    k_norm: Callable | None = None
 
 
 class SoftmaxAttention(MegatronModule, StacksWeights):
@@ -93,6 +98,10 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         self.k_proj = submodules.k_proj(config, config.hidden_size, kv_width, self.tp_group)
         self.v_proj = submodules.v_proj(config, config.hidden_size, kv_width, self.tp_group)
         self.o_proj = submodules.o_proj(config, width, config.hidden_size, self.tp_group)
+        self.q_norm = self.k_norm = None
+        if submodules.q_norm is not None:
+            self.q_norm = submodules.q_norm(config, width, config.layernorm_epsilon, self.tp_group)
+            self.k_norm = submodules.k_norm(config, kv_width, config.layernorm_epsilon, self.tp_group)
         self._qkv_weight: torch.Tensor | None = None
 
     def forward(
@@ -112,8 +121,10 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         decoding cache, whose valid_mask already covers these tokens."""
         full = enter_tensor_parallel_region(hidden_states, self.config.sequence_parallel, self.tp_group)
         seq_len, batch = full.shape[:2]
-        q = self._heads(self.q_proj(full)[0], self.num_local_heads)  # [b, heads, s, d]
-        k = self._heads(self.k_proj(full)[0], self.num_local_kv_heads)  # [b, kv heads, s, d]
+        q, k = self.q_proj(full)[0], self.k_proj(full)[0]  # [s, b, heads * d / TP], [s, b, kv heads * d / TP]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._heads(q, self.num_local_heads), self._heads(k, self.num_local_kv_heads)  # [b, heads, s, d]
         v = self._heads(self.v_proj(full)[0], self.num_local_kv_heads)
         q, k = apply_rotary(q, rotary_pos_cos, rotary_pos_sin), apply_rotary(k, rotary_pos_cos, rotary_pos_sin)
         if inference_context is not None:
@@ -143,7 +154,11 @@ class SoftmaxAttention(MegatronModule, StacksWeights):
         written at ``cache.column`` (``InferenceCache.step_kv``), and the attention reads the step's span."""
         batch, heads, kv_heads, dim = hidden.shape[0], self.num_local_heads, self.num_local_kv_heads, self.head_dim
         qkv = F.linear(hidden, self.qkv_weight())  # [b, (heads + 2 kv heads) d]
-        qk = attention.rotate(qkv[:, : (heads + kv_heads) * dim].view(batch, heads + kv_heads, 1, dim))
+        qk = qkv[:, : (heads + kv_heads) * dim]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm.step(qk[:, : heads * dim], qk.dtype),
+                            self.k_norm.step(qk[:, heads * dim :], qk.dtype)], dim=1)
+        qk = attention.rotate(qk.reshape(batch, heads + kv_heads, 1, dim))
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, 1, dim)
         k, v = cache.step_kv(self.layer_idx, k, v, attention.span)  # [b, kv heads, span, d]

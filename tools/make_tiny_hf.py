@@ -2,13 +2,15 @@
 model, and a verl-layout math Parquet set.
 
     python tools/make_tiny_hf.py tokenizer --out DIR [--vocab-size 400] [--seed 0] [--bos]
-    python tools/make_tiny_hf.py model --out DIR --vocab-size 512 [--seed 0]
+    python tools/make_tiny_hf.py model --out DIR --vocab-size 512 [--seed 0] [--family minimax-m2]
     python tools/make_tiny_hf.py data --out DIR [--num-train 64] [--num-test 16] [--seed 0]
 
 tokenizer: a byte-level BPE trained on a small generated math corpus (tokenizer.json and
 tokenizer_config.json with a ChatML chat template; EOS <|endoftext|>, end of turn <|im_end|>, pad
 <|pad|>, no BOS unless --bos). model: a randomly initialised transformers MiniMaxForCausalLM with
-megacispo's layer pattern (7 lightning layers, then 1 softmax layer). data: DIR/train.parquet and
+megacispo's layer pattern (7 lightning layers, then 1 softmax layer), or with --family minimax-m2 a
+MiniMaxM2ForCausalLM of megacispo's tiny-m2 shape (8 layers of softmax attention with QK-norm, 4
+experts routed by sigmoid scores and a selection bias). data: DIR/train.parquet and
 DIR/test.parquet in verl's layout (prompt = a list of chat messages, the answer in
 reward_model.ground_truth). Nothing is downloaded; the same seed writes the same files.
 """
@@ -26,9 +28,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import MiniMaxConfig, MiniMaxForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    MiniMaxConfig,
+    MiniMaxForCausalLM,
+    MiniMaxM2Config,
+    MiniMaxM2ForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from megacispo.files import atomic_save_pretrained, atomic_write_bytes
+from megacispo.models.config import FAMILIES, M1, M2, model_config
+from megacispo.models.hf_names import config_to_hf
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -112,6 +122,16 @@ def build_model(
     return Path(out_dir)
 
 
+def build_m2_model(out_dir: str | os.PathLike, vocab_size: int, seed: int = 0) -> Path:
+    """Save a randomly initialised ``transformers.MiniMaxM2ForCausalLM`` of megacispo's tiny-m2 shape
+    (with ``vocab_size`` embedding rows) to ``out_dir``."""
+    config = MiniMaxM2Config(**config_to_hf(model_config("tiny-m2", vocab_size=vocab_size)), bos_token_id=None,
+                             eos_token_id=None)
+    torch.manual_seed(seed)
+    atomic_save_pretrained(MiniMaxM2ForCausalLM(config).eval(), out_dir)
+    return Path(out_dir)
+
+
 def write_math_parquet(path: str | os.PathLike, problems: Sequence[tuple[str, str]], split: str = "train") -> Path:
     """Write (question, answer) pairs as a verl-layout Parquet file: data_source, prompt (one user
     message), ability, reward_model {"style": "rule", "ground_truth": answer}, extra_info."""
@@ -138,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokenizer: add a BOS token <s> (the template starts with it)")
     parser.add_argument("--num-train", type=int, default=64, help="data: problems in train.parquet")
     parser.add_argument("--num-test", type=int, default=16, help="data: problems in test.parquet")
+    parser.add_argument("--family", choices=FAMILIES, default=M1,
+                        help="model: the MiniMax family (default %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -151,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.vocab_size:
             print("error: model needs --vocab-size (at least the tokenizer's vocabulary)", file=sys.stderr)
             return 2
-        build_model(out, args.vocab_size, seed=args.seed)
+        (build_m2_model if args.family == M2 else build_model)(out, args.vocab_size, seed=args.seed)
     else:
         problems = math_problems(args.num_train + args.num_test, args.seed)
         write_math_parquet(out / "train.parquet", problems[: args.num_train], split="train")

@@ -284,7 +284,7 @@ def layer_params(model: HybridModelConfig, kind: str, tp: int, ep: int, etp: int
         mixer = projections + width // tp  # + the output RMSNorm over this rank's nh * d channels
     else:
         projections = (2 * hidden * width + 2 * hidden * kv_width) // tp  # q, o and k, v
-        mixer = projections
+        mixer = projections + ((width + kv_width) // tp if model.qk_norm else 0)  # M2's QK-norms, TP-sharded
     replicated = 2 * hidden + model.num_experts * hidden  # two RMSNorms, the router
     expert = (model.num_experts // ep) * 3 * hidden * model.moe_ffn_hidden_size // etp
     return StageParams(dense=mixer + replicated, expert=expert, gemm=projections + expert)
@@ -357,7 +357,11 @@ def _softmax_items(dims: _Dims) -> list[ActivationItem]:
     else:
         keys_values = dims.micro_batch * dims.row_len * a * 2 * local_kv_width
         kv_name = "CP: k, v of the whole sequence (all-gathered)"
-    return [
+    qk_norm = []
+    if model.qk_norm:
+        projected = tokens * a * (local_width + local_kv_width)
+        qk_norm = [ActivationItem("QK-norm inputs (q, k projections) and 1/rms", projected + tokens * FP32 * 2, 0)]
+    return qk_norm + [
         ActivationItem("q after RoPE (attention input)", query, query),
         ActivationItem(kv_name, keys_values, keys_values),
         ActivationItem("SDPA output and log-sum-exp", tokens * (a * local_width + FP32 * local_heads), 0),

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megacispo.checkpoint.formats import META_FILE, CheckpointError
 from megacispo.checkpoint.unpickling import RefusedPickle, load_weights_only, read_dcp_metadata
 from megacispo.files import flush_to_disk, fsync_path, publish_directory
+from megacispo.models.config import M1
 
 # 2: meta.json records the size of every file of the checkpoint.
 FORMAT_VERSION = 2
@@ -65,8 +66,10 @@ MEGATRON_BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
 _STEP_DIR = re.compile(r"step_(\d+)")
 # The model fields that fix a checkpoint's tensor keys and shapes. The others (RoPE base, norm
 # epsilons, residual factors, router top-k, ...) leave the tensors as they are, and a run may change them.
-WEIGHT_FIELDS = ("num_layers", "layer_pattern", "hidden_size", "num_attention_heads", "head_dim", "num_query_groups",
-                 "num_experts", "moe_ffn_hidden_size", "vocab_size")
+WEIGHT_FIELDS = ("family", "num_layers", "layer_pattern", "hidden_size", "num_attention_heads", "head_dim",
+                 "num_query_groups", "num_experts", "moe_ffn_hidden_size", "vocab_size")
+# A checkpoint saved before a field existed holds its default (every model then was MiniMax-M1).
+WEIGHT_FIELD_DEFAULTS = {"family": M1}
 # Megatron's distributed optimizer state format that reshards across every parallel dimension
 # ('dp_reshardable', Megatron-LM's training default, reshards only across DP).
 OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
@@ -710,6 +713,7 @@ def check_model(path: str | os.PathLike, model) -> None:
     if saved is None:
         raise CheckpointError(f"{meta_path} records no config.model: load a checkpoint that megacispo saved or "
                               f"converted.")
+    saved = {**WEIGHT_FIELD_DEFAULTS, **saved}
     differing = [name for name in WEIGHT_FIELDS if saved.get(name) != getattr(model, name)]
     if differing:
         values = ", ".join(f"model.{name} = {getattr(model, name)!r} (checkpoint: {saved.get(name)!r})"

@@ -22,9 +22,6 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SAFETENSORS_DTYPE_OF = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-# What config.json says of transformers' MiniMax (save_pretrained and megatron-to-hf write both).
-HF_MODEL_TYPE = "minimax"
-HF_ARCHITECTURE = "MiniMaxForCausalLM"
 
 
 class CheckpointError(ValueError):
@@ -53,20 +50,23 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The HF directory's config.json, checked to be transformers' MiniMax (HF_MODEL_TYPE, and
-    HF_ARCHITECTURE where it names architectures) before anything else of it is read: another
-    model's config.json would otherwise fail later on a field MiniMax has and it lacks."""
+    """The HF directory's config.json, checked to be transformers' MiniMax or MiniMax-M2
+    (hf_names.HF_MODEL_TYPES, and the family's architecture where it names architectures) before
+    anything else of it is read: another model's config.json would otherwise fail later on a field
+    MiniMax has and it lacks."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(f"{Path(path)}: it has no {CONFIG_FILE}; pass a Hugging Face model directory.")
     config = read_json(config_path)
     model_type, architectures = config.get("model_type"), config.get("architectures")
-    if model_type != HF_MODEL_TYPE or architectures not in (None, [HF_ARCHITECTURE]):
+    family = hf_names.hf_family(model_type)
+    if family is None or architectures not in (None, [hf_names.HF_ARCHITECTURES[family]]):
+        known = " or ".join(f"model_type {hf_names.HF_MODEL_TYPES[name]!r} with architectures "
+                            f"[{hf_names.HF_ARCHITECTURES[name]!r}]" for name in hf_names.HF_MODEL_TYPES)
         raise ValueError(
             f"{config_path} describes model_type {model_type!r} with architectures {architectures!r}: megacispo reads "
-            f"MiniMax checkpoints as transformers saves them (model_type {HF_MODEL_TYPE!r}, architectures "
-            f"[{HF_ARCHITECTURE!r}]); pass one (for an original MiniMax-Text-01 / M1 release, rewrite its "
-            f"config.json as a transformers MiniMaxConfig)."
+            f"MiniMax checkpoints as transformers saves them ({known}); pass one (for an original "
+            f"MiniMax-Text-01 / M1 release, rewrite its config.json as a transformers MiniMaxConfig)."
         )
     return config
 

@@ -30,7 +30,7 @@ from megacispo.checkpoint.formats import dtype_name, is_hf_directory
 from megacispo.checkpoint.to_hf import write_hf_files
 from megacispo.files import staged_directory
 from megacispo.models import hf_names
-from megacispo.models.config import LIGHTNING, SOFTMAX, HybridModelConfig
+from megacispo.models.config import LIGHTNING, M2, SOFTMAX, HybridModelConfig
 
 
 def model_tensor_shapes(config: HybridModelConfig) -> dict[str, tuple[int, ...]]:
@@ -57,6 +57,10 @@ def model_tensor_shapes(config: HybridModelConfig) -> dict[str, tuple[int, ...]]
         for name, shape in mixers[config.layer_kind(layer)].items():
             shapes[f"{prefix}self_attention.{name}.weight"] = shape
         shapes[prefix + hf_names.ROUTER_KEY] = (experts, hidden)
+        if config.family == M2:
+            shapes[prefix + "self_attention.q_norm.weight"] = (width,)
+            shapes[prefix + "self_attention.k_norm.weight"] = (kv_width,)
+            shapes[prefix + hf_names.ROUTER_BIAS_KEY] = (experts,)
         shapes[prefix + hf_names.EXPERT_FC1_KEY] = (experts, 2 * inner, hidden)
         shapes[prefix + hf_names.EXPERT_FC2_KEY] = (experts, hidden, inner)
     return shapes

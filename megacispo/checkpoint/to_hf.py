@@ -28,7 +28,7 @@ from megacispo.checkpoint.streaming import TensorMeter, check_finite, check_new,
 from megacispo.checkpoint.unpickling import CheckpointReader
 from megacispo.files import staged_directory
 from megacispo.models import hf_names
-from megacispo.models.config import HybridModelConfig
+from megacispo.models.config import M1, HybridModelConfig
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -229,7 +229,7 @@ def write_hf_files(
     if not meta.get("config") or "model" not in meta["config"]:
         raise ValueError(f"{step_dir}/meta.json has no config.model: this checkpoint cannot be converted.")
     config = HybridModelConfig(**meta["config"]["model"])
-    if config.rotary_dim != config.head_dim:
+    if config.family == M1 and config.rotary_dim != config.head_dim:
         warnings.warn(
             f"rotary_dim = {config.rotary_dim} < head_dim = {config.head_dim}: HF transformers' MiniMax rotates "
             f"whole heads and ignores config.json's rotary_dim, so transformers will compute different "
@@ -250,7 +250,8 @@ def write_hf_files(
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(writer.weight_map().items()))}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
     hf_config = {
-        "architectures": ["MiniMaxForCausalLM"], "model_type": "minimax",
+        "architectures": [hf_names.HF_ARCHITECTURES[config.family]],
+        "model_type": hf_names.HF_MODEL_TYPES[config.family],
         "dtype": params_dtype_of(meta),
         **hf_names.config_to_hf(config),
     }

@@ -9,7 +9,8 @@ One layout serves RL prompts and SFT pairs: one record per JSONL line or Parquet
 Parquet sets keep the answer in ``reward_model.ground_truth``). The prompt is a string, or, with
 ``data.chat_template``, a list of {"role", "content"} messages; the answer is a string (a number is
 taken as its text). The other top-level fields are kept in ``PromptRecord.extra`` and reach the
-reward function. Every record is checked when the file is loaded, before any work starts.
+reward function; a field ``env`` is refused (a record cannot choose its environment: env.name does).
+Every record is checked when the file is loaded, before any work starts.
 
 Token layout shared by SFT and rollout (``encode_prompt``, ``encode_target``, ``build_sft_example``):
 
@@ -50,6 +51,9 @@ PARQUET_BATCH_ROWS = 1024
 Messages = list[dict[str, str]]
 TURNS_FIELD = "turns"
 """An SFT record's multi-turn demonstration: the messages after its prompt, the model's as "assistant"."""
+ENV_FIELD = "env"
+"""Refused in a record: it reads as choosing the record's environment, which a record cannot (env.name
+serves every sample of a run), and ignored it would train the samples against another environment."""
 Prompt = Union[str, Messages]
 
 
@@ -153,6 +157,12 @@ def _answer(value: Any, where: str, key: str) -> str:
 
 
 def _parse_row(row: Mapping[str, Any], where: str, fields: RecordFields) -> PromptRecord:
+    if ENV_FIELD in row:
+        raise ValueError(
+            f"{where}: field {ENV_FIELD!r} = {row[ENV_FIELD]!r:.80}: a record cannot choose its environment, env.name "
+            "chooses the one every sample of the run talks to (a built-in name or module:Class, megacispo.envs); "
+            "drop the field, or rename it if your reward reads it"
+        )
     prompt = _prompt(_field(row, fields.prompt_key, where, fields), where, fields)
     answer = _answer(_field(row, fields.answer_key, where, fields), where, fields.answer_key)
     # A nested key leaves its top-level field in extra: reward_model also holds the reward's style.

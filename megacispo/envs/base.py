@@ -20,15 +20,19 @@ counted with the reward failures (``rl.max_reward_failure_frac``), never the run
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from megacispo.data.prompts import Messages, PromptRecord
+from megacispo.data.rewards import FLOAT32_MAX
 from megacispo.plugins import import_object
 
 ROLES = ("user", "tool", "system")
 """The roles an environment's reply messages may take (the model speaks as "assistant")."""
+MAX_MESSAGES_CHARS = 4 << 20
+"""The most characters the messages of one reset or step may hold in all. The rollout's thread tokenizes
+them (10 MiB took 10 s and 2.5 GB there), and more than this fits no context: a million tokens at the
+four characters a token of ordinary text. An environment whose tool prints more cuts it itself."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class EnvStep:
     messages: Messages = field(default_factory=list)
     """Appended to the conversation and fed to the model before its next turn (empty when done)."""
     reward: float = 0.0
-    """This turn's reward; a sample's environment reward is the sum over its turns."""
+    """This turn's reward; a sample's environment reward is the sum over its turns (within float32, the
+    advantages' dtype, as each turn's must be: beyond it the sample fails)."""
     done: bool = False
     """The conversation is over: the model gets no further turn."""
     metrics: Mapping[str, float] = field(default_factory=dict)
@@ -115,26 +120,45 @@ def check_messages(messages: Any, what: str) -> Messages:
     for index, message in enumerate(messages):
         if not (isinstance(message, Mapping) and message.get("role") in ROLES
                 and isinstance(message.get("content"), str)):
-            raise ValueError(f"{what} returned message {index} = {message!r}: each must be "
+            raise ValueError(f"{what} returned message {index} = {message!r:.200}: each must be "
                              f"{{'role': one of {', '.join(ROLES)}, 'content': str}}")
         checked.append({"role": message["role"], "content": message["content"]})
+    chars = sum(len(message["content"]) for message in checked)
+    if chars > MAX_MESSAGES_CHARS:
+        raise ValueError(f"{what} returned messages of {chars} characters, over the {MAX_MESSAGES_CHARS} one call may "
+                         "return (megacispo.envs.base.MAX_MESSAGES_CHARS); cut the text the environment replies with")
     return checked
+
+
+def check_number(value: Any, what: str) -> float:
+    """``value`` (a Python, numpy or one-element torch number) as a float within float32, the dtype of the
+    advantages; ValueError naming ``what`` otherwise."""
+    if isinstance(value, (str, bytes)):  # float() would parse '1.0': text is a bug, not a number
+        raise ValueError(f"{what} = {value!r:.80} is text, not a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} = {value!r:.80} is a {type(value).__name__}, not a number") from None
+    if not abs(number) <= FLOAT32_MAX:
+        raise ValueError(f"{what} = {number} is not a finite number within float32 (at most {FLOAT32_MAX:.3g} in size)")
+    return number
 
 
 def check_step(result: Any) -> EnvStep:
     """An environment's step result, checked: an EnvStep with finite reward and well-formed messages."""
     if not isinstance(result, EnvStep):
         raise ValueError(f"step() returned {type(result).__name__} {result!r:.200}, not an EnvStep")
-    if isinstance(result.reward, (str, bytes)) or not isinstance(result.reward, (int, float)) \
-            or not math.isfinite(float(result.reward)):
-        raise ValueError(f"step() returned reward {result.reward!r}, not a finite number")
+    reward = check_number(result.reward, "step()'s reward")
+    # "no" would be truthy: only what compares equal to a bool is one (numpy's and torch's included)
+    if result.done not in (True, False):
+        raise ValueError(f"step()'s done = {result.done!r:.80} is not a bool")
     messages = check_messages(list(result.messages) if isinstance(result.messages, tuple) else result.messages,
                               "step()")
     if not result.done and not messages:
         raise ValueError("step() returned no messages and done=False: the model would have nothing to answer")
     metrics = {}
     for name, value in dict(result.metrics).items():
-        if not isinstance(name, str) or isinstance(value, (str, bytes)) or not isinstance(value, (int, float)):
-            raise ValueError(f"step() returned metric {name!r} = {value!r}: metrics are str -> number")
-        metrics[name] = float(value)
-    return EnvStep(messages, float(result.reward), bool(result.done), metrics)
+        if not isinstance(name, str):
+            raise ValueError(f"step() returned metric name {name!r}: metrics are str -> number")
+        metrics[name] = check_number(value, f"step()'s metric {name!r}")
+    return EnvStep(messages, reward, bool(result.done), metrics)

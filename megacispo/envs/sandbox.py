@@ -13,7 +13,8 @@ Hard limits, enforced by the kernel and the parent, whatever the child does:
     allocations fail at once with MemoryError), file size (RLIMIT_FSIZE), no core dumps;
   - wall clock: past ``wall_s`` the parent SIGKILLs the child's whole process group, and it kills the
     group again when the child ends, so nothing it started outlives it; output is read as it comes
-    and capped (head and tail kept), so a flood cannot fill the parent's memory;
+    and capped (head and tail kept), so a flood cannot fill the parent's memory; a child whose parent
+    has ended (a run that exits mid-call) ends itself within 0.2 s;
   - where ``unshare --net`` works (root with CAP_SYS_ADMIN), an empty network namespace; in an
     ordinary container it fails and the child runs without it.
 
@@ -186,6 +187,7 @@ def _command(workdir: str, limits: SandboxLimits) -> list[str]:
                     "RLIMIT_FSIZE": limits.file_size_mb << 20, "RLIMIT_CORE": 0},
         "exit_refused": _EXIT_REFUSED,
         "exit_memory": _EXIT_MEMORY,
+        "parent_pid": os.getpid(),
     }
     return [*_network_isolation(), sys.executable, "-I", "-B", "-u", "-c", _child_source(), json.dumps(config)]
 
@@ -465,14 +467,27 @@ def _child_main() -> None:
     """The sandboxed process: set the limits, disarm what has no audit event, install the guard, run main.py."""
     import builtins
     import json
+    import os
     import resource
     import sys
+    import threading
+    import time
     import traceback
     import types
 
     config = json.loads(sys.argv[1])
     for name, value in config["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
+
+    def watch_parent(parent=config["parent_pid"], parent_now=os.getppid, sleep=time.sleep, end=os._exit) -> None:
+        # The wall clock is the parent's: a parent that ends mid-call (a trainer that exits or is killed, the
+        # thread of a late environment call with it) leaves the child to its session, where a sleep would
+        # never end. Polled, as a thread of the child; its functions bound now, out of the code's reach.
+        while parent_now() == parent:
+            sleep(0.2)
+        end(1)
+
+    threading.Thread(target=watch_parent, daemon=True, name="sandbox-parent-watch").start()
     for name in sys.builtin_module_names:  # all of them now, so no fresh one is needed once create_builtin is gone
         __import__(name)
 

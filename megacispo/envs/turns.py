@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from megacispo.data.chat import ReplyRenderer
 from megacispo.data.prompts import PromptRecord
-from megacispo.data.rewards import LATE, RewardScores
+from megacispo.data.rewards import FLOAT32_MAX, LATE, MAX_LOGGED_FAILURES, RewardScores
 from megacispo.envs.base import EnvFactory, Environment, check_messages, check_step, make_environment
 from megacispo.envs.config import EnvConfig
 
@@ -73,7 +73,9 @@ class EnvWorkers:
             started = time.monotonic()
             try:
                 result, error = fn(), None
-            except Exception as raised:  # an environment's error is its sample's failure
+            # An environment's error is its sample's failure; SystemExit too, which would end this thread
+            # silently, its sample found only at its timeout and the pool a thread short for good.
+            except BaseException as raised:
                 result, error = None, f"raised {type(raised).__name__}: {raised}"
             with self._lock:
                 self._running.pop(tag, None)
@@ -145,12 +147,16 @@ class Conversations:
     """The conversations of one rollout's samples (``records``, one per sample, a group's repeated)."""
 
     def __init__(self, config: EnvConfig, factory: EnvFactory, renderer: ReplyRenderer, records: Sequence[PromptRecord],
-                 workers: EnvWorkers):
+                 workers: EnvWorkers, max_prompt_tokens: int):
         self.config, self.factory, self.renderer, self.workers = config, factory, renderer, workers
+        self.max_prompt_tokens = max_prompt_tokens
+        """The longest first prompt (Config.max_prompt_tokens): the rollout's context leaves no more."""
         self.conversations = [Conversation(record) for record in records]
         self._deadlines: dict[int, float] = {}
         self._submitted: dict[int, float] = {}
         self._last_ids: dict[int, int] = {}
+        self.num_failed = 0
+        """Samples failed so far; the first MAX_LOGGED_FAILURES are logged, a broken environment fails them all."""
 
     # -- the first prompts -----------------------------------------------------------------------
 
@@ -171,8 +177,26 @@ class Conversations:
             if result is not None:
                 conversation.env, messages = result
                 if messages is not None:
-                    prompts[sample] = self.renderer.prompt_ids(messages)
+                    prompts[sample] = self._first_prompt(sample, messages)
         return [ids if ids is not None else prompt_ids(c.record) for ids, c in zip(prompts, self.conversations)]
+
+    def _first_prompt(self, sample: int, messages: list) -> list[int] | None:
+        """The ids of the messages reset returned; None, the sample failed, when they cannot be rendered or
+        make no ids (the model is given no empty prompt)."""
+        try:
+            ids = self.renderer.prompt_ids(messages)
+        except ValueError as error:  # the tokenizer's, for a chat template that fails on them
+            self._fail(sample, f"reset()'s messages could not be rendered: {error}")
+            return None
+        if not ids:
+            self._fail(sample, "reset()'s messages render to no tokens: give the model a prompt to answer")
+            return None
+        if len(ids) > self.max_prompt_tokens:
+            self._fail(sample, f"reset()'s messages render to {len(ids)} tokens, more than the "
+                               f"{self.max_prompt_tokens} a prompt may have (data.max_prompt_tokens, or what the "
+                               "context leaves): shorten them")
+            return None
+        return ids
 
     # -- model turns -----------------------------------------------------------------------------
 
@@ -282,6 +306,10 @@ class Conversations:
                 conversation.reward += result.reward
                 for name, value in result.metrics.items():
                     conversation.metrics[name] = conversation.metrics.get(name, 0.0) + value
+                if not abs(conversation.reward) <= FLOAT32_MAX:
+                    self._fail(sample, f"turn rewards sum to {conversation.reward}, beyond float32 (at most "
+                                       f"{FLOAT32_MAX:.3g} in size), the dtype of the advantages")
+                    result = None
             done.append((sample, result))
         now = time.monotonic()
         late = [sample for sample, deadline in self._deadlines.items() if now >= deadline]
@@ -304,9 +332,13 @@ class Conversations:
 
     def _fail(self, sample: int, why: str) -> None:
         conversation = self.conversations[sample]
-        conversation.failure = conversation.failure or f"environment {self.config.name!r} {why}"
         conversation.done = True
-        logger.warning("sample %d: %s", sample, conversation.failure)
+        if conversation.failure:
+            return
+        conversation.failure = f"environment {self.config.name!r} {why}"
+        self.num_failed += 1
+        if self.num_failed <= MAX_LOGGED_FAILURES:
+            logger.warning("sample %d: %s", sample, conversation.failure)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,12 +374,18 @@ def combine_rewards(mode: str, conversations: Conversations, scores: RewardScore
     for index, (env_reward, env_failure) in enumerate(zip(conversations.rewards(), conversations.failures())):
         failure = env_failure or (scores.failures[index] if scores is not None else "")
         total = (0.0 if mode == "reward" else env_reward or 0.0) + (0.0 if mode == "env" else scores.rewards[index])
+        if not failure and not abs(total) <= FLOAT32_MAX:
+            failure = (f"env.reward = {mode}: environment {conversations.config.name!r}'s {env_reward} and "
+                       f"rl.reward's {scores.rewards[index]} add up to {total}, beyond float32")
         rewards.append(failure_reward if failure else total)
         failures.append(failure)
         if env_failure:
             causes.append(LATE if conversations.conversations[index].timed_out else "")
         else:
             causes.append(scores.causes[index] if scores is not None and scores.causes else "")
+    if conversations.num_failed > MAX_LOGGED_FAILURES:
+        logger.warning("environment %r failed %d of %d samples (the first %d logged above)", conversations.config.name,
+                       conversations.num_failed, len(failures), MAX_LOGGED_FAILURES)
     return RewardScores(rewards, tuple(failures), tuple(causes))
 
 

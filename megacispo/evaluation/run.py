@@ -44,7 +44,8 @@ def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return Evaluator(model, tokenizer, records, dp_cp, settings=config.eval,
                      rollout=config.rollout, seed=config.train.seed, scoring=scoring,
-                     environments=Environments.build(config.env, tokenizer, config.data.chat_template)).run()
+                     environments=Environments.build(config.env, tokenizer, config.data.chat_template,
+                                                     config.max_prompt_tokens)).run()
 
 
 def run_eval(config: Config, source: WeightsSource, tokenizer: Tokenizer, records: list[PromptRecord]) -> None:

@@ -222,7 +222,8 @@ class Trainer:
         self.prompt_metrics = prompt_metrics or {}
         self.scoring = Scoring.from_config(config.rl, self._stop_pending)
         # env.name: every sample is a conversation with its own environment; None: single-turn.
-        self.environments = Environments.build(config.env, tokenizer, config.data.chat_template)
+        self.environments = Environments.build(config.env, tokenizer, config.data.chat_template,
+                                               config.max_prompt_tokens)
         self.sampler = PromptSampler(train_records, seed=config.train.seed)
         # The one source of this rank's process groups; the world (every training rank) is torch's default group.
         self.dp_group, self.pp_group = engine.groups.dp, engine.groups.pp

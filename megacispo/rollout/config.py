@@ -41,7 +41,7 @@ class RolloutConfig:
     max_running: int = ranged(0, Range(0, note="0: all of a rank's samples at once"))
     """Sequences decoded together per rank; a finished one's slot takes the next waiting sample (0: all at once)."""
     host_check_every: int = ranged(0, Range(0, note="0: auto"))
-    """Decode steps between the host's looks at which samples ended (a device-to-host copy each; an ended slot idles until then); 0: 4 on GPUs, 1 on a CPU."""
+    """Decode steps between the host's looks at which samples ended (a device-to-host copy each; an ended slot idles until then), at most max_new_tokens; 0: 4 on GPUs, 1 on a CPU."""
     max_cache_gib: float = ranged(0.0, Range(0, note="0: no cap"))
     """Cap on the rollout cache of max_running slots per GPU, GiB, checked at start-up (0: no cap)."""
     dtype: str = "auto"
@@ -56,10 +56,11 @@ class RolloutConfig:
     def steps_between_looks(self, on_gpu: bool) -> int:
         """rollout.host_check_every for a rollout on a GPU or not. auto is 4 on a GPU, where a look waits
         for the device to finish the step, and 1 on a CPU, where the host is the device and a look costs
-        nothing, so an ended slot is refilled at once."""
-        if self.host_check_every == 0:
-            return 4 if on_gpu else 1
-        return self.host_check_every
+        nothing, so an ended slot is refilled at once. At most max_new_tokens: every sample has ended by
+        then, and the ranks of a lockstep group (which look at these steps only) would step idle rows
+        until the look (host_check_every = 1000 with max_new_tokens = 6: 3999 steps for 23)."""
+        every = (4 if on_gpu else 1) if self.host_check_every == 0 else self.host_check_every
+        return min(every, self.max_new_tokens)
 
     def torch_dtype(self, on_gpu: bool) -> torch.dtype:
         """rollout.dtype as a torch dtype for a rollout on a GPU or not. auto is bfloat16 on a GPU, as M1

@@ -31,15 +31,18 @@ class Environments:
     factory: EnvFactory
     renderer: ReplyRenderer
     workers: EnvWorkers
+    max_prompt_tokens: int
+    """The longest first prompt a reset may give (Config.max_prompt_tokens); a longer one fails its sample."""
 
     @classmethod
-    def build(cls, config: EnvConfig, tokenizer: Tokenizer, chat_template: bool) -> Environments | None:
+    def build(cls, config: EnvConfig, tokenizer: Tokenizer, chat_template: bool,
+              max_prompt_tokens: int) -> Environments | None:
         """None without env.name (single-turn rollouts)."""
         if not config.multi_turn:
             return None
         factory = get_environment_factory(config.name)
         return cls(config, factory, build_renderer(config, factory, tokenizer, chat_template),
-                   EnvWorkers(config.workers))
+                   EnvWorkers(config.workers), max_prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def sample_and_score(
         stop_ids = tokenizer.stop_ids
     else:
         conversations = Conversations(environments.config, environments.factory, environments.renderer, records,
-                                      environments.workers)
+                                      environments.workers, environments.max_prompt_tokens)
         prompts = conversations.prompts(lambda record: prompt_token_ids(tokenizer, record))
         stop_ids = sorted(environments.renderer.turn_stop_ids)
     samples = generate(model, prompts, rollout, stop_ids=stop_ids, pad_id=tokenizer.pad_id, keys=keys,

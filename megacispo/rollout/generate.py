@@ -49,6 +49,7 @@ for the trainer's router-disagreement metric and routing replay (models/routing.
 from __future__ import annotations
 
 import functools
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -59,11 +60,13 @@ from tqdm import tqdm
 
 from megacispo.data.padding import right_padding_mask
 from megacispo.envs.turns import Conversations
+from megacispo.models.compiling import code_copy
 from megacispo.models.config import SOFTMAX, HybridModelConfig
 from megacispo.models.routing import route_dtype
 from megacispo.rollout.config import RolloutConfig
 
 GIB = 2**30
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -284,7 +287,9 @@ def generate(
         raise ValueError(
             f"response_limits: pass one limit in [1, rollout.max_new_tokens = {config.max_new_tokens}] per prompt"
         )
+    _check_context(model.hybrid_config.max_position_embeddings, prompts, limits)
     was_training = model.training
+    metrics_before = torch._dynamo.utils.get_compilation_metrics()
     # Decoding is inference: Megatron's MoE layer refuses TP without sequence parallelism in
     # training mode, and the model switches sequence parallelism off for single-token steps.
     model.eval()
@@ -296,11 +301,26 @@ def generate(
             return engine.run(progress, interrupt)
     finally:
         model.train(was_training)
+        if config.compile_decode:
+            _report_compiles(metrics_before)
         if config.compile_decode and keys.is_cuda:
             # The rollout's cache and records are its own tensors, static inputs of the graphs it recorded:
             # the next rollout records its own, and inductor's cudagraph trees would keep these (and their
             # memory pool) for good. Freed here; the compiled code stays, so nothing recompiles.
             torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+
+
+def _check_context(context: int, prompts: list[list[int]], limits: list[int]) -> None:
+    """Every prompt and its response limit fit the model's context (RoPE past it is untrained, and the
+    rollout would succeed with samples the model cannot score): a prompt exactly at the limit fits."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + limits[i])
+    length = len(prompts[longest]) + limits[longest]
+    if length > context:
+        raise ValueError(
+            f"prompt {longest} has {len(prompts[longest])} tokens and may get {limits[longest]} more: {length} "
+            f"positions, past model.max_position_embeddings = {context}: shorten the prompts (data.max_prompt_tokens) "
+            "or lower rollout.max_new_tokens"
+        )
 
 
 def _count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
@@ -348,11 +368,13 @@ class SampleRecord:
 
 
 def draw_tokens(logits: torch.Tensor, rows: RowState, record: SampleRecord, config: RolloutConfig,
-                stop_ids: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's next token from ``logits`` [rows, V], recorded for its sample while the row is live; a
     row whose sample ends (a stop id, its length limit, early truncation) writes the sample's length and
     truncation flag and stops being live. On the device only, on fixed shapes, ``record`` written in
     place. Returns (tokens, drawn, live, confident): the tokens and the rows' new state [rows]."""
+    # The scratch row is the record's last, read from its shape: a graph's size, not a number it guards on.
+    scratch = record.lengths.shape[0] - 1
     tokens, logprobs, probs = sample_tokens(logits, config, rows.keys, rows.drawn)
     live = rows.live
     target = torch.where(live, rows.sample, scratch)
@@ -375,11 +397,66 @@ def draw_tokens(logits: torch.Tensor, rows: RowState, record: SampleRecord, conf
     return tokens, drawn, live & ~ends, confident
 
 
+def _sampling_setting(config: RolloutConfig) -> tuple:
+    """The fields of rollout.* that ``draw_tokens`` reads as constants of its graph."""
+    return (config.temperature, config.top_p, config.top_k, config.early_truncation_tokens,
+            config.early_truncation_prob, config.max_new_tokens)
+
+
 @functools.cache
 def compiled_draw(cuda: bool) -> Callable:
-    """``draw_tokens`` through torch.compile, one graph (fullgraph), shared by every rollout of the
-    process; on CUDA run as CUDA graphs (one per row count)."""
-    return torch.compile(draw_tokens, fullgraph=True, options={"triton.cudagraphs": True} if cuda else None)
+    """``draw_tokens`` through torch.compile (fullgraph), shared by every rollout of the process; on CUDA
+    run as CUDA graphs (one per row count). Each sampling setting (a run's training rollouts, its greedy
+    and its sampled evaluation) compiles a ``code_copy`` of its own: dynamo counts a function's graphs
+    against torch._dynamo.config.recompile_limit (8), and a fullgraph function past it fails the rollout.
+    A setting's rows, record and logits are dynamic from its first call (``_mark_draw_dynamic``), so it
+    compiles at most two graphs, one row and more (dynamo specializes a size of 1)."""
+    options = {"triton.cudagraphs": True} if cuda else None
+
+    @functools.cache
+    def for_setting(setting: tuple) -> Callable:
+        return torch.compile(code_copy(draw_tokens), fullgraph=True, options=options)
+
+    def draw(logits, rows: RowState, record: SampleRecord, config: RolloutConfig, stop_ids: torch.Tensor):
+        return for_setting(_sampling_setting(config))(logits, rows, record, config, stop_ids)
+
+    return draw
+
+
+def _mark_draw_dynamic(logits: torch.Tensor, rows: RowState, record: SampleRecord) -> None:
+    """For torch.compile: the rows and the samples change between steps and rollouts; marked dynamic
+    before the first call, one graph serves them all, rather than a static graph, then a dynamic one."""
+    tensors = [logits, *vars(rows).values(), *(t for t in vars(record).values() if t is not None)]
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+def _report_compiles(metrics_before: list) -> None:
+    """After a compiled rollout, one line on the graphs torch.compile made during it (the compilation
+    metrics not in ``metrics_before``, which it holds: their ids stay unique) with the latest reason, and
+    one when a compiled function reached torch._dynamo.config.recompile_limit (its new shapes then run
+    eagerly: the same numbers, slower): a recompile in every rollout, or an eager fall-back, is said
+    once per rollout, not per step, and a rollout that compiles nothing says nothing."""
+    seen = {id(m) for m in metrics_before}
+    new = [m for m in torch._dynamo.utils.get_compilation_metrics() if id(m) not in seen]
+    if not new:
+        return
+    limited = [m for m in new if m.fail_reason and "recompile limit" in m.fail_reason]
+    compiled = [m for m in new if m.co_name and not m.fail_reason]
+    names = sorted({m.co_name for m in compiled})
+    reasons = [m.recompile_reason for m in compiled if m.recompile_reason]
+    why = reasons[-1].splitlines()[0][:200] if reasons else "first calls"
+    if compiled:
+        logger.warning(
+            "rollout.compile_decode: %d graph(s) of %s compiled during this rollout (latest reason: %s); later "
+            "rollouts compile only for shapes or a sampling setting not seen yet",
+            len(compiled), ", ".join(names), why)
+    if limited:
+        limit = torch._dynamo.config.recompile_limit
+        logger.warning(
+            "rollout.compile_decode: a decode function reached torch._dynamo.config.recompile_limit = %d (%s): "
+            "its new shapes run eagerly from now on (the same samples, slower); raise the limit or set "
+            "rollout.compile_decode=false", limit, (limited[-1].recompile_reason or "").splitlines()[0][:200])
 
 
 class _SlotRollout:
@@ -530,10 +607,16 @@ class _SlotRollout:
         rollout.compile_decode: on CUDA a CUDA graph of its own); the host counts the live rows' steps.
         Compiled, the draw's outputs are copied ([rows] each): the next compiled call (the decode step)
         starts a new cudagraph-tree generation, which frees them, and the rows' state is read after it."""
-        draw = compiled_draw(self.device.type == "cuda") if self.config.compile_decode else draw_tokens
+        draw = draw_tokens
         rows = RowState(self.row_sample_t, self.row_keys_t, self.row_drawn_t, self.row_live_t, self.row_limit_t,
                         self.confident_run)
-        drawn = draw(logits, rows, self.record, self.config, self.stop_ids, self.num_samples)
+        if self.config.compile_decode:
+            draw = compiled_draw(self.device.type == "cuda")
+            # A tensor of its own: the logits are views of bases of other shapes (the prefill's, an eager
+            # step's, a compiled step's), and dynamo guards on a view's base, a graph for each.
+            logits = logits.clone()
+            _mark_draw_dynamic(logits, rows, self.record)
+        drawn = draw(logits, rows, self.record, self.config, self.stop_ids)
         if self.config.compile_decode:
             drawn = tuple(output.clone() for output in drawn)
         tokens, self.row_drawn_t, self.row_live_t, self.confident_run = drawn

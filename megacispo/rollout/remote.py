@@ -101,7 +101,7 @@ def run_rollout_process(config: Config, tokenizer, bridge: Bridge) -> None:
 def _serve(config: Config, tokenizer, bridge: Bridge, model) -> None:
     """Weights into ``model``, rounds generated with the last weights received, until StopRollouts."""
     scoring = Scoring.from_config(config.rl)
-    environments = Environments.build(config.env, tokenizer, config.data.chat_template)
+    environments = Environments.build(config.env, tokenizer, config.data.chat_template, config.max_prompt_tokens)
     version = -1
     while True:
         message = bridge.broadcast_object(what="the next message (a round's request, the weights or the stop)")

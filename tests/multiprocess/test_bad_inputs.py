@@ -25,6 +25,8 @@ ENTRY_POINTS = {"train": train, "sft": sft}
 
 # What the quick start's context leaves a prompt: model.max_position_embeddings 4096 - rollout.max_new_tokens 6.
 DEFAULT_BOUND = "data.max_prompt_tokens = 4090 (model.max_position_embeddings 4096 - rollout.max_new_tokens 6)"
+# Context parallelism over the world of 2, the experts whole on each rank.
+CP2 = ("parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=1")
 
 
 def config_row(entry: str, argv: list[str], *fragments: str, id: str):
@@ -190,6 +192,55 @@ CATALOG = [
              "long.jsonl:1: the pair ([BOS] + prompt + answer + EOS) is",
              "more than model.max_position_embeddings = 4096", id="sft-pair-beyond-context"),
     data_row("sft", quick("data.sft_pairs=''"), "data.sft_pairs is not set", id="sft-pairs-unset"),
+    # -- catalog 3 (#56): packing and token budgets ------------------------------------------------
+    config_row("train", quick("train.max_tokens_per_micro_batch=5"),
+               "train.max_tokens_per_micro_batch = 5 is less than the longest sequence, 4096 tokens",
+               "raise it to 4096 or more", id="budget-below-one-prompt"),
+    config_row("train", quick("data.max_prompt_tokens=20", "train.max_tokens_per_micro_batch=25"),
+               "train.max_tokens_per_micro_batch = 25 is less than the longest sequence, 26 tokens",
+               id="budget-one-token-short"),
+    config_row("train", quick("train.max_tokens_per_micro_batch=-1"),
+               "train.max_tokens_per_micro_batch = -1: it must be >= 0", id="budget-negative"),
+    config_row("train", quick("train.pack_sequences=false", "train.max_tokens_per_micro_batch=64"),
+               "train.max_tokens_per_micro_batch = 64 is a budget of packed micro-batches but train.pack_sequences "
+               "is false", id="budget-unpacked"),
+    data_row("sft", quick("train.max_tokens_per_micro_batch=5"),
+             "train.max_tokens_per_micro_batch = 5 is less than the longest sequence, 10 tokens (the longest pair of "
+             "data.sft_pairs", id="sft-budget-below-a-pair"),
+    config_row("train", quick("train.micro_batch_size=0"), "train.micro_batch_size = 0: it must be >= 1",
+               id="micro-batch-zero"),
+    # -- catalog 3 (#56): context parallelism ------------------------------------------------------
+    config_row("train", quick("parallel.context_parallel_size=3"),
+               "world size 2 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size * "
+               "context_parallel_size = 1 * 1 * 3 = 3", id="cp-3-of-2"),
+    config_row("train", quick("parallel.context_parallel_size=0"), "parallel.context_parallel_size = 0: it must be "
+               "at least 1", id="cp-zero"),
+    config_row("train", quick("parallel.context_parallel_size=two"),
+               "config.parallel.context_parallel_size: expected int, got 'two'", id="cp-text"),
+    config_row("train", quick(*CP2, "parallel.tensor_model_parallel_size=2"), "= 2 * 1 * 2 = 4",
+               "launch a multiple of 4 processes", id="cp2-tp2-of-2"),
+    config_row("train", quick(*CP2, "parallel.pipeline_model_parallel_size=2"), "= 1 * 2 * 2 = 4",
+               id="cp2-pp2-of-2"),
+    config_row("train", quick("parallel.context_parallel_size=2", "parallel.expert_tensor_parallel_size=2"),
+               "expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size = "
+               "2 * 2 * 1 = 4",
+               id="cp2-ep2-etp2-of-2"),
+    config_row("train", quick(*CP2, "parallel.sequence_parallel=true"),
+               "parallel.sequence_parallel = true needs tensor_model_parallel_size > 1", id="cp2-sp-without-tp"),
+    config_row("train", quick(*CP2, "parallel.context_parallel_comm=ring"),
+               "parallel.context_parallel_comm = 'ring': use one of all_gather, p2p", id="cp-comm-unknown"),
+    config_row("train", quick(*CP2, "logging.metric_hooks.probe_token.token=1"),
+               "parallel.context_parallel_size = 2 with logging.metric_hooks", "remove the hooks", id="cp2-hooks"),
+    config_row("sft", quick(*CP2, "logging.metric_hooks.probe_token.token=1"),
+               "parallel.context_parallel_size = 2 with logging.metric_hooks", id="cp2-sft-hooks"),
+    config_row("train", quick(*CP2, "placement.rollout_ranks=1"),
+               "parallel.context_parallel_size = 2 with placement.rollout_ranks = 1",
+               "set placement.rollout_ranks = 0", id="cp2-rollout-ranks"),
+    config_row("train", quick(*CP2, "placement.rollout_ranks=1", "rollout.max_staleness=1"),
+               "parallel.context_parallel_size = 2 with placement.rollout_ranks = 1", id="cp2-async-rollouts"),
+    config_row("train", quick(*CP2, "rollout.prompts_per_step=3"),
+               "rollout.prompts_per_step = 3", "parallel.context_parallel_size = 2 ranks cannot share evenly",
+               "use a multiple of 2", id="cp2-prompts-odd"),
 ]
 
 

@@ -190,9 +190,10 @@ def test_a_non_finite_log_prob_is_null_and_listed():
 
 
 def test_score_refuses_input_that_is_not_strict_json(tmp_path):
+    from megacispo.models.config import model_config
     from megacispo.score import read_records
 
     tokens = tmp_path / "tokens.jsonl"
     tokens.write_text('{"tokens": [1, 2]}\n{"tokens": [3, 4], "weight": NaN}\n')
     with pytest.raises(ValueError, match=rf"--tokens {tokens} line 2: not JSON \(NaN is not JSON"):
-        read_records(tokens, vocab_size=512)
+        read_records(tokens, model_config("tiny"))

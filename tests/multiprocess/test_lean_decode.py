@@ -42,12 +42,12 @@ GREEDY_LIMITS = [5, 16, 11]
 EOS, PAD = 2, 0
 
 
-def _build_model(dtype: torch.dtype, layout: dict | None = None):
+def _build_model(dtype: torch.dtype, layout: dict | None = None, size: str = "tiny"):
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.parallel.layout import ParallelConfig, init_distributed
 
-    model_cfg = model_config("tiny")
+    model_cfg = model_config(size)
     parallel = ParallelConfig(**(layout or {}))
     init_distributed(parallel, seed=21)
     # A large init std: logits O(1), routing and attention far from uniform, greedy choices far from ties.
@@ -162,9 +162,9 @@ def _inputs(vocab_size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     return prompts, torch.randint(0, vocab_size, (len(prompts), NUM_STEPS), generator=generator)
 
 
-def _compare_paths(dtype_name: str) -> dict:
+def _compare_paths(dtype_name: str, size: str = "tiny") -> dict:
     dtype = getattr(torch, dtype_name)
-    model = _build_model(dtype)
+    model = _build_model(dtype, size=size)
     prompts, steps = _inputs(model.vocab_size)
     # torch.compile's cost (tens of seconds on 2 cores) is paid once, in fp32.
     paths = tuple(PATHS) if dtype == torch.float32 else ("lean", "megatron")
@@ -280,8 +280,8 @@ PARALLEL_LAYOUTS = {
 }
 
 
-def _compare_paths_parallel(layout: dict) -> dict:
-    model = _build_model(torch.float64, layout)
+def _compare_paths_parallel(layout: dict, size: str = "tiny") -> dict:
+    model = _build_model(torch.float64, layout, size)
     prompts, steps = _inputs(model.vocab_size)
     return {
         "padded_batch": _teacher_forced(model, prompts, steps, KEEP_AFTER, ("lean", "megatron"), rows_agree=True),
@@ -300,6 +300,41 @@ def test_lean_step_of_parallel_layouts_equals_megatron_path(name):
                 f"{name} rank {rank} {case}: max abs difference {outcome['error']['lean']:.2e} "
                 f"at logits up to {outcome['scale']:.1f}"
             )
+
+
+@pytest.mark.slow
+def test_m2_compiled_step_and_greedy_rollouts_equal_the_megatron_path():
+    """MiniMax-M2's decode step through torch.compile (fp32, inductor: minutes on a CPU): its logits are
+    the Megatron path's, no layer steps eagerly, and greedy slot rollouts give the same tokens on every
+    path."""
+    (result,) = run_distributed(_compare_paths, 1, "float32", "tiny-m2")
+    for case in ("padded_batch", "single_sequence"):
+        outcome = result[case]
+        assert outcome["layer_steps"]["compiled"] == 0, outcome["layer_steps"]
+        for path in result["paths"]:
+            assert outcome["error"][path] <= TOLERANCE["float32"] * outcome["scale"], (case, path, outcome)
+    tokens, _, lengths = result["greedy"]["all at once"]
+    for path in result["paths"]:
+        assert torch.equal(result["greedy"][path][0], tokens) and torch.equal(result["greedy"][path][2], lengths), path
+
+
+# Megatron takes M2's sigmoid in fp32 (topk_routing_with_score_function's logits.float()), in fp64 models
+# too: two summation orders of one fp64 logit may round to neighbouring fp32 scores, a routing weight's
+# relative change of 6e-8 (seen: 1.6e-8 of the logits' scale, at EP 2).
+M2_FP64_TOLERANCE = 1e-7
+
+
+@pytest.mark.parametrize("name", ["one_process", "tp2_sp", "ep2"])
+def test_m2_lean_step_equals_megatron_path(name):
+    """MiniMax-M2's lean step (QK-norm of the step's q and k, gathered over TP; the pre-norm residual
+    added by the layer; the sigmoid router's biased choice in the experts' step) against the Megatron
+    path, fp64 (``M2_FP64_TOLERANCE``)."""
+    layout = PARALLEL_LAYOUTS.get(name, {})
+    for rank, result in enumerate(run_distributed(_compare_paths_parallel, 1 if name == "one_process" else 2, layout,
+                                                  "tiny-m2")):
+        for case, outcome in result.items():
+            assert outcome["scale"] > 1.0 and outcome["block_calls"] == {"lean": 0, "megatron": NUM_STEPS}, outcome
+            assert outcome["error"]["lean"] <= M2_FP64_TOLERANCE * outcome["scale"], (name, rank, case, outcome)
 
 
 def _compare_compiled_bf16(layout: dict) -> dict:

@@ -12,7 +12,9 @@ import torch
 
 from megacispo.models import hf_names
 from megacispo.models.config import (
+    M2,
     MODEL_SIZES,
+    RESIDUAL_FACTORS,
     deepnorm_alpha,
     model_config,
     model_shape,
@@ -29,6 +31,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_named_sizes_validate(name):
     config = model_config(name)
     config.validate()
+    if config.family == M2:  # all softmax attention, the plain pre-norm residual
+        assert config.layer_kinds == "S" * config.num_layers and config.prenorm_residual and config.qk_norm
+        assert all(getattr(config, factor) == 1.0 for factor in RESIDUAL_FACTORS)
+        return
     assert config.layer_kinds.count("S") >= 1 and config.layer_kinds.count("L") >= 1
     assert config.linear_attn_alpha_factor == pytest.approx(deepnorm_alpha(config.num_layers))
 
@@ -49,6 +55,15 @@ def test_minimax_m1_parameter_count():
     assert config.linear_attn_alpha_factor == 3.5565588200778455
     assert config.layer_kinds == "LLLLLLLS" * 10
     assert [i for i, kind in enumerate(config.layer_kinds) if kind == "S"] == list(range(7, 80, 8))
+
+
+def test_minimax_m2_parameter_count():
+    """The published ~230B total and ~10B activated of MiniMax-M2 (62 layers, 256 experts, top 8)."""
+    config = model_config("minimax-m2")
+    total, activated = parameter_counts(config)
+    assert round(total / 1e9, 1) == 228.7 and round(activated / 1e9, 1) == 9.8
+    assert sum(parameter_breakdown(config).values()) == total
+    assert parameter_breakdown(config)["lightning_attention"] == 0
 
 
 def test_model_info_prints_the_counts():

@@ -110,7 +110,7 @@ def _rollouts(layout: dict, runs: list[tuple[int, float]], load_dir: str | None 
     for slots, delay_s in runs:
         env = EnvConfig(name="counting", params={"delay_s": delay_s}, max_turns=4, timeout_s=30.0)
         records = [PromptRecord(prompt="", answer=str(row)) for row in rows]
-        conversations = Conversations(env, CountingEnv, renderer, records, workers)
+        conversations = Conversations(env, CountingEnv, renderer, records, workers, max_prompt_tokens=4096)
         mine = conversations.prompts(lambda record: prompts[int(record.answer)])
         config = RolloutConfig(max_new_tokens=MAX_NEW, temperature=1.0, max_running=slots)
         samples = generate(model, mine, config, stop_ids=tokenizer.stop_ids, pad_id=PAD, keys=keys,

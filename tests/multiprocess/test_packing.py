@@ -50,12 +50,14 @@ def _sequences(rows: range) -> dict[str, torch.Tensor]:
     }
 
 
-def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None, balance: bool = False) -> dict:
+def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None, balance: bool = False,
+          size: str = "tiny", **model_fields) -> dict:
     """Old log-probs and one update of this rank's batch (its data-parallel share of the 16 sequences) in
     ``layout`` (ParallelConfig's fields; None: the world is data-parallel), its rows first moved between
-    the data-parallel ranks with ``balance`` (``Trainer._balance_over_dp``): the old log-probs
-    [n, S - 1] and the rows they are of, the update's metrics, the gradients by name, the number of
-    micro-batches, the tokens the rank trained."""
+    the data-parallel ranks with ``balance`` (``Trainer._balance_over_dp``), on the model of ``size`` (8
+    layers of 4 experts: tiny or tiny-m2) with ``model_fields``: the old log-probs [n, S - 1] and the rows
+    they are of, the update's metrics, the gradients by name, the number of micro-batches, the tokens the
+    rank trained, the routers' selection biases after the update (M2)."""
     import torch.distributed as dist
 
     from megacispo.config import Config
@@ -67,7 +69,7 @@ def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None, balanc
     from megacispo.training.config import OptimizerConfig, TrainConfig
 
     config = Config(
-        model=model_config("tiny", moe_aux_loss_coeff=0.0),
+        model=model_config(size, moe_aux_loss_coeff=0.0, **model_fields),
         rl=RLConfig(updates_per_rollout=1, routing_replay=True, loss=LossConfig(name=loss)),
         train=TrainConfig(pack_sequences=pack, max_tokens_per_micro_batch=budget, micro_batch_size=16,
                           run_dir="runs/unused"),
@@ -85,8 +87,10 @@ def _pass(pack: bool, budget: int, loss: str, layout: dict | None = None, balanc
     batch.old_logprobs = trainer.compute_old_logprobs(batch)
     grads = _keep_gradients(trainer.engine)
     metrics = trainer._update_once(batch)
+    biases = {name: buffer.clone() for name, buffer in trainer.engine.module.named_buffers() if "expert_bias" in name}
     return {"old_logprobs": batch.old_logprobs, "metrics": metrics, "grads": grads, "micro_batches": micro_batches,
-            "tokens": batch.tokens, "tokens_before": tokens_before, "tokens_trained": int((~batch.padding_mask).sum())}
+            "tokens": batch.tokens, "tokens_before": tokens_before, "tokens_trained": int((~batch.padding_mask).sum()),
+            "expert_biases": biases}
 
 
 def _keep_gradients(engine) -> dict[str, torch.Tensor]:
@@ -293,3 +297,41 @@ def test_fp8_rows_give_every_gemm_a_multiple_of_16_tokens(tp, sp, cp):
             assert not sp or tokens % tp == 0
     if (tp, sp, cp) == (2, True, 1):
         assert row_length_multiple(parallel, fp8=False) == 2 and multiple == 16
+
+
+@pytest.fixture(scope="module")
+def padded_m2() -> dict:
+    """cispo on all 16 sequences right-padded in one micro-batch, in one process, on the tiny M2."""
+    (result,) = run_distributed(_pass, 1, False, 0, "cispo", None, False, "tiny-m2")
+    return result
+
+
+@pytest.mark.parametrize("layout, world", [(None, 1), ({"context_parallel_size": 2}, 2)], ids=["packed", "cp2"])
+def test_m2_packed_rows_compute_what_one_process_computes(padded_m2, layout, world):
+    """MiniMax-M2 (QK-norm, sigmoid routing with its selection bias, routing replay of recorded experts):
+    5 packed micro-batches in one process and split over 2 CP ranks, against the padded rows of one
+    process. (TP, EP and PP build other initial weights: megacispo.score and the layout matrix compare
+    them from one checkpoint.)"""
+    for result in run_distributed(_pass, world, True, _budget_for(5), "cispo", layout, False, "tiny-m2"):
+        assert result["micro_batches"] == 5
+        _assert_same(padded_m2, result, f"M2 {layout}")
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.01])
+def test_m2_selection_bias_moves_toward_equal_loads_only_when_asked(rate):
+    """model.moe_router_bias_update_rate: one update moves each selection bias by the rate, up for an
+    expert that took fewer than the mean tokens, down for one that took more (Megatron's aux-loss-free
+    balancing); at 0 (RL's default) every bias stays as loaded."""
+    (result,) = run_distributed(_pass, 1, True, _budget_for(2), "cispo", None, False, "tiny-m2",
+                                moe_router_bias_update_rate=rate)
+    biases = result["expert_biases"]
+    assert len(biases) == 8
+    for name, bias in biases.items():
+        if rate == 0.0:
+            assert torch.equal(bias, torch.zeros_like(bias)), name
+        else:
+            step = torch.tensor(rate, dtype=bias.dtype)
+            assert bool(((bias == 0) | (bias.abs() == step)).all()), (name, bias)
+    if rate:
+        moved = torch.stack(list(biases.values()))
+        assert bool((moved > 0).any()) and bool((moved < 0).any()), "some experts were under, some over the mean load"

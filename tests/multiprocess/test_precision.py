@@ -146,8 +146,18 @@ def test_spec_selection_local_and_transformer_engine():
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megacispo.models.decoder_layer import LOCAL_BACKEND, TRANSFORMER_ENGINE_BACKEND, block_spec, layer_backend
-    from megacispo.models.experts import InProcessMoELayer, SkipEmptySequentialMLP, StackingTEGroupedMLP
-    from megacispo.models.layers import RMSNorm, local_column_parallel_linear, row_parallel_linear
+    from megacispo.models.experts import (
+        InProcessMoELayer,
+        PaddingMaskedTopKRouter,
+        SkipEmptySequentialMLP,
+        StackingTEGroupedMLP,
+    )
+    from megacispo.models.layers import (
+        RMSNorm,
+        TensorParallelRMSNorm,
+        local_column_parallel_linear,
+        row_parallel_linear,
+    )
     from megacispo.models.lightning_mixer import LightningMixer
     from megacispo.models.softmax_attention import SoftmaxAttention
 
@@ -170,11 +180,14 @@ def test_spec_selection_local_and_transformer_engine():
             mixer = parts.self_attention
             assert mixer.module is (SoftmaxAttention if layer_idx % 4 == 3 else LightningMixer)
             projections = vars(mixer.submodules)
-            columns = {key: value for key, value in projections.items() if key not in ("out_proj", "o_proj", "norm")}
+            norms = ("norm", "q_norm", "k_norm")
+            columns = {key: value for key, value in projections.items() if key not in ("out_proj", "o_proj", *norms)}
             assert set(columns.values()) == {column}, (name, layer_idx, columns)
             assert projections.get("out_proj", projections.get("o_proj")) is row
             moe = parts.mlp
-            assert moe.module is InProcessMoELayer and moe.submodules.router is TopKRouter  # router stays fp32
+            # The router stays fp32 (Megatron's TopKRouter, its selection-bias counts fixed).
+            assert moe.module is InProcessMoELayer and moe.submodules.router is PaddingMaskedTopKRouter
+            assert issubclass(PaddingMaskedTopKRouter, TopKRouter)
             experts = moe.submodules.experts
             if name == "local":
                 assert experts.module is SkipEmptySequentialMLP
@@ -184,6 +197,10 @@ def test_spec_selection_local_and_transformer_engine():
                 assert experts.module is StackingTEGroupedMLP and issubclass(StackingTEGroupedMLP, TEGroupedMLP)
                 assert experts.submodules.linear_fc1.module == (extension, "TEColumnParallelGroupedLinear")
                 assert experts.submodules.linear_fc2.module == (extension, "TERowParallelGroupedLinear")
+        # MiniMax-M2's QK-norms are this project's norms on either backend: never FP8, never TE's.
+        m2_mixer = block_spec(model_config("tiny-m2"), config, pp_rank=0).layer_specs[0].submodules.self_attention
+        assert m2_mixer.module is SoftmaxAttention and m2_mixer.submodules.o_proj is row
+        assert m2_mixer.submodules.q_norm is TensorParallelRMSNorm is m2_mixer.submodules.k_norm
     assert not [module for module in sys.modules if module.split(".")[0] == "transformer_engine"]
 
 

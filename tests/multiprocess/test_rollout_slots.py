@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megacispo.models.config import M1, M2
 from megacispo.testing.harness import run_distributed
 
 PROMPT_LENGTHS = (3, 9, 20, 5, 11, 2)
@@ -100,12 +101,11 @@ def test_expert_parallel_lockstep_gives_the_same_samples(single_process):
             _assert_same(rank_rollouts[slots], expected[0], f"EP 2, rank {rank}, max_running {slots}")
 
 
-def _greedy_against_transformers() -> dict:
+def _greedy_against_transformers(family: str) -> dict:
     """Greedy slot rollouts (2 slots, per-sample lengths, no stop ids) of an HF MiniMax model's
-    weights, and transformers' generate of each prompt alone; fp32 (transformers' grouped expert
-    matmul takes no fp64), with large random weights: greedy choices far from ties."""
-    from transformers import MiniMaxForCausalLM
-
+    weights (M1, or M2: the lean step's QK-norm, pre-norm residual and biased sigmoid routing), and
+    transformers' generate of each prompt alone; fp32 (transformers' grouped expert matmul takes no
+    fp64), with large random weights: greedy choices far from ties."""
     from megacispo.models import hf_names
     from megacispo.models.config import transformer_config
     from megacispo.models.model import HybridModel
@@ -114,9 +114,8 @@ def _greedy_against_transformers() -> dict:
     from megacispo.rollout.generate import generate, sample_keys
     from megacispo.testing import hf_models
 
-    hf_config = hf_models.hf_config()
-    hf_model = MiniMaxForCausalLM(hf_config).eval()
-    hf_models.randomize(hf_model)
+    hf_model = hf_models.hf_model(family)
+    hf_config = hf_model.config
     config = hf_names.config_from_hf(hf_config)
     init_distributed(ParallelConfig(), seed=0)
     model = HybridModel(config, transformer_config(config, ParallelConfig()))
@@ -138,9 +137,10 @@ def _greedy_against_transformers() -> dict:
     return {"ours": ours, "theirs": theirs}
 
 
-def test_greedy_slot_rollouts_equal_transformers_generate():
+@pytest.mark.parametrize("family", [M1, M2])
+def test_greedy_slot_rollouts_equal_transformers_generate(family):
     pytest.importorskip("transformers")
-    (result,) = run_distributed(_greedy_against_transformers, 1)
+    (result,) = run_distributed(_greedy_against_transformers, 1, family)
     for row, (ours, theirs) in enumerate(zip(result["ours"], result["theirs"])):
         assert len(ours) == LIMITS[row]
         assert torch.equal(ours, theirs), f"prompt {row}: {ours} != transformers' {theirs}"

@@ -1,5 +1,6 @@
 """kill -9 of a rank leaves no process of the run behind (issue #35): not Megatron-Core's Manager
-process (started at the first checkpoint save), its resource tracker, nor the reward workers."""
+process (started at the first checkpoint save), its resource tracker, nor the reward workers; and the
+checkpoints saved before it stay valid (issue #56: a rank killed mid-step, at EP 2 and at CP 2)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megacispo.checkpoint.distributed import verify_checkpoint
 from megacispo.testing.rl_runs import run_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,10 +23,16 @@ REPO = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 90
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_kill_9_of_a_rank_leaves_no_orphan(rank, task_files, tmp_path):
+LAYOUTS = {"ep2": [],
+           "cp2": ["--set", "parallel.expert_model_parallel_size=1", "--set", "parallel.context_parallel_size=2"]}
+
+
+@pytest.mark.parametrize("layout, rank", [("ep2", 0), ("ep2", 1), ("cp2", 1)])
+def test_kill_9_of_a_rank_leaves_no_orphan(layout, rank, task_files, tmp_path):
+    """Killed in step 2 (or later), after step 1's save: every process of the run goes, the launcher
+    fails, and each checkpoint on disk is a whole one."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "megacispo.train", *run_overrides(task_files, tmp_path / "run", steps=50)]
+               "-m", "megacispo.train", *run_overrides(task_files, tmp_path / "run", steps=50), *LAYOUTS[layout]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -40,6 +48,11 @@ def test_kill_9_of_a_rank_leaves_no_orphan(rank, task_files, tmp_path):
         ranks[rank].send_signal(signal.SIGKILL)
         _, alive = psutil.wait_procs(tree, timeout=GONE_WITHIN_S)
         assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        assert launcher.wait(timeout=GONE_WITHIN_S) != 0
+        saved = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+        assert saved[0].name == "step_00000001"
+        for checkpoint in saved:
+            verify_checkpoint(checkpoint)
     finally:
         launcher.kill()
         launcher.wait()

@@ -1,8 +1,9 @@
-"""The tiny random Hugging Face transformers MiniMax model the parity, conversion and scoring tests
-compare with: its config (MODEL.md's, rotary_dim = head_dim because HF rotates whole heads), weights
-far from HF's init, the sequences scored and transformers' log-probs of them, a conversion then
-scoring of it at a layout, and damaged copies of an HF directory (``write_damaged_copy``).
-transformers and safetensors are imported on use."""
+"""The tiny random Hugging Face transformers MiniMax models the parity, conversion and scoring tests
+compare with: M1's config (MODEL.md's, rotary_dim = head_dim because HF rotates whole heads) and M2's
+(partial RoPE, QK-norm, the sigmoid router's selection bias), weights far from HF's init, the
+sequences scored and transformers' log-probs of them, a conversion then scoring of it at a layout,
+and damaged copies of an HF directory (``write_damaged_copy``). transformers and safetensors are
+imported on use."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Mapping
 import torch
 
 from megacispo.models import hf_names
-from megacispo.models.config import HybridModelConfig
+from megacispo.models.config import M1, M2, HybridModelConfig
 from megacispo.testing.harness import run_distributed
 from megacispo.testing.tool_modules import load_tool
 
@@ -40,8 +41,21 @@ def hf_config():
     )
 
 
+def m2_hf_config():
+    """A tiny MiniMaxM2Config: 4 layers, 8 experts (top 2), partial RoPE (8 of 16 channels), no
+    special token ids (the released ones lie outside a 512-token vocabulary)."""
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
+        max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
+    )
+
+
 def randomize(hf_model) -> None:
-    """Weights far from HF's tiny init, so that a wrong norm, gate, decay or routing shows."""
+    """Weights far from HF's tiny init, so that a wrong norm, gate, decay or routing shows; M2's
+    selection biases too, as large as the sigmoid scores' spread, so that they change the choice."""
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
@@ -52,13 +66,17 @@ def randomize(hf_model) -> None:
                 param.copy_(noise)
             else:
                 param.copy_(0.15 * noise)
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=generator))
 
 
-def hf_model():
-    """The tiny MiniMaxForCausalLM of ``hf_config``, randomized, in eval mode."""
-    from transformers import MiniMaxForCausalLM
+def hf_model(family: str = M1):
+    """The tiny MiniMaxForCausalLM of ``hf_config`` (M2: MiniMaxM2ForCausalLM of ``m2_hf_config``),
+    randomized, in eval mode."""
+    from transformers import MiniMaxForCausalLM, MiniMaxM2ForCausalLM
 
-    model = MiniMaxForCausalLM(hf_config()).eval()
+    model = (MiniMaxM2ForCausalLM(m2_hf_config()) if family == M2 else MiniMaxForCausalLM(hf_config())).eval()
     randomize(model)
     return model
 
@@ -74,10 +92,10 @@ def hf_logprobs(model) -> list[torch.Tensor]:
     return out
 
 
-def write_hf_model(root: Path) -> list[torch.Tensor]:
-    """A tiny random transformers MiniMax model in ``root/hf`` and its sequences in
+def write_hf_model(root: Path, family: str = M1) -> list[torch.Tensor]:
+    """A tiny random transformers MiniMax model of ``family`` in ``root/hf`` and its sequences in
     ``root/tokens.jsonl``; returns transformers' log-probs of them."""
-    model = hf_model()
+    model = hf_model(family)
     model.save_pretrained(root / "hf")
     (root / "tokens.jsonl").write_text("".join(json.dumps({"tokens": tokens}) + "\n" for tokens in SEQUENCES))
     return hf_logprobs(model)

@@ -75,21 +75,23 @@ SLOW_LAYOUTS = {
 }
 
 
-def make_layout_workspace(root: Path) -> Path:
-    """Task prompts, a tokenizer and the start weights in ``root``, shared by every layout."""
+def make_layout_workspace(root: Path, size: str = "tiny") -> Path:
+    """Task prompts, a tokenizer and the start weights of the model ``size`` in ``root``, shared by every
+    layout."""
     python = sys.executable
     subprocess.run([python, "tools/make_task_data.py", "--out", str(root / "task"), "--task", "addition",
                     "--digits", "2", "--num-train", "16", "--num-test", "2", "--seed", "0"],
                    cwd=REPO, check=True, capture_output=True)
     subprocess.run([python, "tools/train_tokenizer.py", "--input", str(root / "task" / "corpus.txt"),
                     "--vocab-size", "512", "--out", str(root / "tok")], cwd=REPO, check=True, capture_output=True)
-    run_distributed(save_random_tiny_checkpoint, 1, str(root / "start"), 0, INIT_STD)
+    run_distributed(save_random_tiny_checkpoint, 1, str(root / "start"), 0, INIT_STD, size)
     (root / "scored.jsonl").write_text("".join(json.dumps({"tokens": tokens}) + "\n" for tokens in SCORED))
     return root
 
 
-def _run_overrides(workspace: Path, run_dir: Path, probe: bool = True) -> list[str]:
+def _run_overrides(workspace: Path, run_dir: Path, probe: bool, size: str) -> list[str]:
     pairs = {
+        "model.size": size,
         "data.train_prompts": workspace / "task" / "train.jsonl",
         "data.tokenizer": workspace / "tok" / "tokenizer.model",
         "rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": MAX_NEW_TOKENS,
@@ -174,15 +176,16 @@ class LayoutRun:
     """The run's checkpoints root (its step's checkpoint)."""
 
 
-def run_layout(workspace: Path, name: str, layout: Layout, scored_checkpoints: Path | None) -> LayoutRun:
-    """One RL step and one scoring at ``layout``; scoring reads ``scored_checkpoints`` (None: the
-    run's own checkpoint)."""
+def run_layout(workspace: Path, name: str, layout: Layout, scored_checkpoints: Path | None,
+               size: str = "tiny") -> LayoutRun:
+    """One RL step of the model ``size`` (the workspace's) and one scoring at ``layout``; scoring reads
+    ``scored_checkpoints`` (None: the run's own checkpoint)."""
     run_dir = workspace / name
     checkpoints = run_dir / "checkpoints"
     out = run_dir / "scored.jsonl"
     score_argv = ["--load", str(scored_checkpoints or checkpoints), "--tokens", str(workspace / "scored.jsonl"),
                   "--out", str(out), *layout.score_args()]
-    overrides = _run_overrides(workspace, run_dir, probe=layout.cp == 1) + layout.config_overrides()
+    overrides = _run_overrides(workspace, run_dir, layout.cp == 1, size) + layout.config_overrides()
     ranks = run_distributed(_rl_step_then_score, layout.world_size, overrides, score_argv, timeout_s=600)
     return LayoutRun(ranks, read_scores(out), checkpoints)
 

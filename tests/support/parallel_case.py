@@ -99,16 +99,17 @@ def one_update(engine, tokens: torch.Tensor):
     return result, {name: not torch.equal(before[name], param.detach()) for name, param in module.named_parameters()}
 
 
-def save_random_tiny_checkpoint(root: str, step: int, init_std: float) -> None:
-    """The tiny model with random weights (std ``init_std``, seed 3) as a one-process checkpoint at
-    ``step`` that train.load / --load read; run it in a process of its own (run_distributed)."""
+def save_random_tiny_checkpoint(root: str, step: int, init_std: float, size: str = "tiny") -> None:
+    """The tiny model (or another size: tiny-m2) with random weights (std ``init_std``, seed 3) as a
+    one-process checkpoint at ``step`` that train.load / --load read; run it in a process of its own
+    (run_distributed)."""
     from megacispo.checkpoint.distributed import save_checkpoint
     from megacispo.config import Config, to_dict
     from megacispo.models.config import model_config, transformer_config
     from megacispo.models.model import HybridModel
     from megacispo.parallel.layout import ParallelConfig, init_distributed
 
-    config, parallel = model_config("tiny"), ParallelConfig()
+    config, parallel = model_config(size), ParallelConfig()
     init_distributed(parallel, seed=3)
     model = HybridModel(config, transformer_config(config, parallel, init_method_std=init_std))
     save_checkpoint(root, step, model, config_dict=to_dict(Config(model=config)), keep_last=None)

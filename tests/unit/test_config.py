@@ -11,7 +11,6 @@ from megacispo.startup import (
     SAMPLE_OBJECT_BYTES,
     check_rl_batches,
     check_sft_batches,
-    max_prompt_tokens,
     rollout_bytes,
     run_config,
 )
@@ -153,8 +152,8 @@ def test_rollout_samples_beyond_host_memory_are_refused(monkeypatch):
 
 
 def test_prompt_limit_defaults_to_what_the_context_leaves():
-    assert max_prompt_tokens(run_config(None)) == 4096 - 16
-    assert max_prompt_tokens(run_config(None, ["data.max_prompt_tokens=100"])) == 100
+    assert run_config(None).max_prompt_tokens == 4096 - 16
+    assert run_config(None, ["data.max_prompt_tokens=100"]).max_prompt_tokens == 100
 
 
 @pytest.mark.parametrize(

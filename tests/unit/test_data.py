@@ -118,6 +118,17 @@ class CharTokenizer:
         return [10 + ord(char) - ord("0") if char.isdigit() else 30 + "+-=".index(char) for char in text]
 
 
+def test_an_empty_answer_trains_the_eos_alone_and_an_empty_prompt_is_bos_alone():
+    """Catalog 3 (#56): a pair with an empty answer is a one-token target (the model learns to stop), and
+    an empty prompt is [BOS] (an environment's reset may give the conversation): neither a zero-length
+    sequence nor a loss over nothing."""
+    tokenizer = CharTokenizer()
+    example = build_sft_example(tokenizer, PromptRecord("1+2=", ""))
+    batch = collate_sft([example], pad_id=tokenizer.pad_id)
+    assert batch.labels[batch.loss_mask.bool()].tolist() == [tokenizer.eos_id]
+    assert prompt_token_ids(tokenizer, PromptRecord("", "3")) == [tokenizer.bos_id]
+
+
 def test_sft_example_and_collate_align_labels_with_the_answer():
     tokenizer = CharTokenizer()
     short = build_sft_example(tokenizer, PromptRecord("1+2=", "3"))

@@ -70,7 +70,8 @@ def workers():
 def _rollout(renderer, workers, samples: int, hang: str) -> Conversations:
     """A rollout of ``samples`` conversations of one turn each, its environment hanging in ``hang`` (or not)."""
     conversations = Conversations(EnvConfig(name="hanging", timeout_s=TIMEOUT_S, max_turns=1), HangingEnv, renderer,
-                                  [PromptRecord(prompt="p", answer=hang)] * samples, workers)
+                                  [PromptRecord(prompt="p", answer=hang)] * samples, workers,
+                                  max_prompt_tokens=4096)
     conversations.prompts(lambda record: [7])
     for sample in range(samples):
         if not conversations.conversations[sample].done:

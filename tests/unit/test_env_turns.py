@@ -120,7 +120,8 @@ def test_environment_failures_stay_with_their_samples(tokenizer):
     config = EnvConfig(name="flaky", timeout_s=0.5, max_turns=3)
     workers = EnvWorkers(4)
     conversations = Conversations(config, FlakyEnv, ReplyRenderer(tokenizer, chat_template=False),
-                                  [PromptRecord(prompt="p", answer=str(i)) for i in range(5)], workers)
+                                  [PromptRecord(prompt="p", answer=str(i)) for i in range(5)], workers,
+                                  max_prompt_tokens=4096)
     assert conversations.prompts(lambda record: [7]) == [[7]] * 5
     started = time.monotonic()
     for sample in range(5):
@@ -146,7 +147,8 @@ def test_environment_failures_stay_with_their_samples(tokenizer):
 def test_env_reward_modes(tokenizer, mode, expected):
     workers = EnvWorkers(1)
     conversations = Conversations(EnvConfig(name="flaky"), FlakyEnv, ReplyRenderer(tokenizer, chat_template=False),
-                                  [PromptRecord(prompt="p", answer=str(i)) for i in (4, 1)], workers)
+                                  [PromptRecord(prompt="p", answer=str(i)) for i in (4, 1)], workers,
+                                  max_prompt_tokens=4096)
     conversations.prompts(lambda record: [7])
     for sample in range(2):
         conversations.submit(sample, [tokenizer.eos_id])
@@ -182,7 +184,7 @@ def test_the_readme_environment_runs_as_written(tokenizer):
     workers = EnvWorkers(1)
     conversations = Conversations(EnvConfig(name="my_envs:Countdown", max_turns=4), module.Countdown,
                                   ReplyRenderer(tokenizer, chat_template=False),
-                                  [PromptRecord(prompt="say 42", answer="42")], workers)
+                                  [PromptRecord(prompt="say 42", answer="42")], workers, max_prompt_tokens=4096)
     conversations.prompts(lambda record: [7])
     conversations.submit(0, tokenizer.encode("41") + [tokenizer.eos_id])
     assert conversations.wait_any() == [(0, tokenizer.encode("try again"))]
