@@ -541,6 +541,10 @@ def _check_rollout_memory(config: Config) -> None:
     # A slot's cache is the same at any slot count: the cap holds cap / per_slot of them, exactly.
     per_slot = needed / slots
     length = f"{config.max_prompt_tokens + config.rollout.max_new_tokens} tokens per sequence"
+    if config.rollout.dtype == "auto" and not torch.cuda.is_available():
+        # A dry run of a GPU config on a login node: auto is float32 here, bfloat16 on the GPUs (half the bytes).
+        length += (" in float32 (rollout.dtype auto, on this machine without a GPU; GPUs generate in bfloat16: "
+                   "set rollout.dtype=bfloat16 to check the cap for them)")
     if per_slot > cap:
         raise ValueError(
             f"rollout.max_cache_gib = {cap:g} is below the {per_slot:.3g} GiB of rollout cache one slot needs at "

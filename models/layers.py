@@ -629,16 +629,17 @@ class InferenceCache:
 
     def step_span(self, bucketed: bool) -> int:
         """The positions a lean decode step's attention reads: every position so far and the step's own
-        (length + 1); ``bucketed``: that rounded up to a power of two (at least MIN_SPAN, at most the
-        buffers' smallest capacity, which ``reserve`` must have made room for), so that a captured step's shapes
-        take a few values over a rollout instead of one per step. The positions past length + 1 are
-        masked (AttentionStep.build)."""
+        (length + 1); ``bucketed``: that rounded up to a power of two (at least MIN_SPAN, at most one short
+        of the buffers' smallest capacity: ``reserve`` makes room for two more positions), so that a
+        captured step's shapes take a few values over a rollout instead of one per step. Never the whole
+        buffer: its view would be contiguous where the others are not, a guard and a recompile. The
+        positions past length + 1 are masked (AttentionStep.build)."""
         needed = self._length + 1
         if not bucketed:
             return needed
         buffers = (*self.keys.values(), *self.values.values())
         capacity = min(self._valid_buffer.shape[1], *(kv.shape[2] for kv in buffers))
-        return min(max(MIN_SPAN, 1 << (needed - 1).bit_length()), capacity)
+        return min(max(MIN_SPAN, 1 << (needed - 1).bit_length()), capacity - 1)
 
     def open_step(self) -> None:
         """Mark the step's position valid in the rows ``live_rows`` advances (all: None), in place at ``column``."""

@@ -638,7 +638,7 @@ class HybridModel(LanguageModule):
         batches get a graph each (the batch size, the buffers' capacity and the span are dynamic in it
         from the first compile, ``dynamic=True``: a static graph first, then a dynamic one, would cost
         two of the code's torch._dynamo.config.recompile_limit = 8 graphs; a rollout of many shapes
-        compiles 6 with inductor, tests/slow/test_decode_catalog.py). On CUDA the graph runs as CUDA graphs
+        compiles 3 with inductor, tests/slow/test_decode_catalog.py). On CUDA the graph runs as CUDA graphs
         (inductor's cudagraph trees), one recorded per shape: the span is bucketed and the rollout's
         rows are too (megacispo.rollout.generate), so a rollout records a few, each replayed at every
         step of its bucket; the cache's buffers are marked as static addresses (mutated in place), and

@@ -8,7 +8,7 @@ dynamo's graphs eagerly (``GraphGenerations``): dynamo decides what compiles, in
   limits), then greedy ones (an evaluation): traceback at the first greedy rollout, the draw past
   torch._dynamo's recompile_limit (8), FailOnRecompileLimitHit (fullgraph) -> at most 6 graphs in the
   first rollout (the lean step up to 4, the draw 2), 2 in the first greedy one (its own draw: one row
-  and more), none after; with inductor (slow tier) the lean step's 6 in all, under the limit
+  and more), none after; with inductor (slow tier) the lean step's 3 in all (it was 8, at the limit)
 - D2 the same, as said: nothing of ours (torch's recompile lines only under TORCH_LOGS) -> one warning
   line per rollout that compiled (the count, the functions, the latest reason), none for the others
 - D3 a compiled function past torch._dynamo.config.recompile_limit (set to 2; slow tier): torch's 5-line
@@ -211,6 +211,18 @@ def test_a_cache_cap_below_one_slot_names_the_size_one_slot_needs():
     with pytest.raises(ValueError, match=r"rollout.max_cache_gib = 1e-05 is below the .* GiB of rollout cache one "
                                          r"slot needs .*raise rollout.max_cache_gib to at least"):
         _check(max_running=8, max_cache_gib=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_a_cache_cap_checked_without_a_gpu_names_the_dtype_it_assumed():
+    """A GPU config's dry run on a CPU login node: rollout.dtype auto sizes the cache in float32 here, twice
+    the GPUs' bfloat16, and the error says so; with rollout.dtype = bfloat16 the same cap holds about twice
+    the slots (the K/V halve; the lightning states' share of a slot stays)."""
+    with pytest.raises(ValueError, match=r"in float32 \(rollout.dtype auto, on this machine without a GPU; GPUs "
+                                         r"generate in bfloat16: set rollout.dtype=bfloat16") as error:
+        _check(max_running=64, max_cache_gib=0.05)
+    holds = int(str(error.value).split("lower rollout.max_running to ")[1].split()[0])
+    _check(max_running=holds * 3 // 2, max_cache_gib=0.05, dtype="bfloat16")
 
 
 def test_a_cache_cap_for_fewer_slots_is_refused_with_the_slots_it_holds():

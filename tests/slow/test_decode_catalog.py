@@ -47,14 +47,15 @@ def _inductor_case() -> dict:
 
 
 def test_inductor_compiles_a_rollouts_shapes_once():
-    """About 60 s on 2 cores (inductor compiles the lean step and the draw). Inductor's lean step compiles
-    more graphs than dynamo's alone (4): a span at a buffer's capacity specializes (span == capacity),
-    6 in all here, within torch._dynamo.config.recompile_limit (8), and none after the third rollout."""
+    """About 40 s on 2 cores (inductor compiles the lean step and the draw). The lean step compiles 3
+    graphs in all here (8 when a bucketed span could reach a buffer's capacity and specialize on it:
+    InferenceCache.step_span stops one short), within torch._dynamo.config.recompile_limit (8), and none
+    after the first rollout."""
     (out,) = run_distributed(_inductor_case, 1, timeout_s=600)
     graphs = out["graphs"]
     total = {name: sum(counts.get(name, 0) for counts in graphs) for name in ("_lean_stage", "draw_tokens")}
-    assert total["_lean_stage"] <= 6 and total["draw_tokens"] <= 2, graphs
-    assert not any(graphs[3:]), graphs
+    assert total["_lean_stage"] <= 4 and total["draw_tokens"] <= 2, graphs
+    assert not any(graphs[1:]), graphs
     assert all(out["equal"]), out["equal"]
 
 
