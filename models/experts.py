@@ -476,7 +476,10 @@ class StackingTEGroupedMLP(TEGroupedMLP, StacksExpertWeights):
 class PaddingMaskedTopKRouter(TopKRouter):
     """Megatron-Core's TopKRouter, whose selection-bias token counts (M2's aux-loss-free balancing) leave
     out the padding: Megatron-Core 0.16.1's ``_apply_expert_bias`` ands the flattened padding mask [T]
-    with the routing map [T, E] (a broadcast error at any T other than E) where each token's row is meant."""
+    with the routing map [T, E] (a broadcast error at any T other than E) where each token's row is meant.
+    Its two lines are written here rather than called with the mask reshaped: Megatron's is wrapped in
+    torch.compile (jit_fuser), a graph of its own at its first call, one more in a compiled rollout's
+    recompile budget (tests/multiprocess/test_decode_catalog.py counted it) for a sum it skips there."""
 
     def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
         if self.enable_expert_bias and torch.is_grad_enabled():
