@@ -63,7 +63,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from megacispo.models.config import FAMILIES, M1, M2, SOFTMAX, HybridModelConfig, model_config
+from megacispo.models.config import FAMILIES, M1, M2, M2_FIELDS, HybridModelConfig, model_config
 from megacispo.parallel import cpu
 
 TRAIN_TARGET = 1.5
@@ -448,8 +448,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     small = model_config("small")
     if args.family == M2:
-        config = small.replace(family=M2, layer_pattern=SOFTMAX, linear_attn_alpha_factor=1.0,
-                               full_attn_alpha_factor=1.0, mlp_alpha_factor=1.0)
+        config = small.replace(**M2_FIELDS)
     else:
         # HF rotates whole heads; so does our model with rotary_dim = head_dim (MODEL.md).
         config = small.replace(rotary_dim=small.head_dim)

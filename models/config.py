@@ -208,10 +208,13 @@ def deepnorm_alpha(num_layers: int) -> float:
     return (2 * num_layers) ** 0.25
 
 
+# What makes a shape MiniMax-M2's: softmax attention in every layer, the residual factors 1.
+M2_FIELDS = {"family": M2, "layer_pattern": SOFTMAX, "linear_attn_alpha_factor": 1.0, "full_attn_alpha_factor": 1.0,
+             "mlp_alpha_factor": 1.0}
+
+
 def _sized_m2(**fields) -> HybridModelConfig:
-    """An M2 shape: softmax attention in every layer, the residual factors 1."""
-    return HybridModelConfig(family=M2, layer_pattern=SOFTMAX, linear_attn_alpha_factor=1.0, full_attn_alpha_factor=1.0,
-                             mlp_alpha_factor=1.0, **fields)
+    return HybridModelConfig(**M2_FIELDS, **fields)
 
 
 def _sized(num_layers: int, **fields) -> HybridModelConfig:

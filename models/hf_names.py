@@ -31,6 +31,12 @@ for what it shares with M1's softmax layers and MoE, and three more per layer: t
 ``partial_rotary_factor`` of head_dim), so HF and megacispo compute the same rotation. The released
 configs carry fields transformers drops (``scoring_func``, ``use_routing_bias``, ``use_qk_norm``...):
 ``config_from_hf`` reads them and refuses what this model does not compute.
+
+M2's multi-token-prediction (MTP) modules are not part of this model: no implementation defines what
+they compute (transformers' MiniMaxM2 has none; vLLM's and SGLang's loaders skip their tensors) and the
+released checkpoints publish no trained ones. A checkpoint that holds them keeps them under the layers
+after the last (``mtp_layer_prefixes``); the readers pass over those tensors, saying so, and config_to_hf
+writes ``num_mtp_modules = 0``, what the exported directory holds.
 """
 
 from __future__ import annotations
@@ -188,6 +194,16 @@ def hf_family(model_type: Any) -> str | None:
     return next((family for family, name in HF_MODEL_TYPES.items() if name == model_type), None)
 
 
+def mtp_layer_prefixes(hf_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The name prefixes of an M2 config.json's multi-token-prediction modules, which the checkpoint
+    keeps as the ``num_mtp_modules`` layers after its ``num_hidden_layers`` (as vLLM's loader reads
+    them); () for any other config."""
+    if hf_family(hf_config.get("model_type")) != M2:
+        return ()
+    first = hf_config.get("num_hidden_layers", 0)
+    return tuple(f"model.layers.{first + module}." for module in range(hf_config.get("num_mtp_modules") or 0))
+
+
 def config_from_hf(hf_config: Any, *, rotary_dim: int | None = None) -> HybridModelConfig:
     """Our config from a transformers MiniMaxConfig or MiniMaxM2Config (or its config.json dict).
 
@@ -293,7 +309,8 @@ def config_to_hf(config: HybridModelConfig) -> dict[str, Any]:
     }
     if config.family == M2:
         common["rope_parameters"]["partial_rotary_factor"] = config.rotary_dim / config.head_dim
-        return {**common, **{name: value for name, value in M2_FIXED_FIELDS.items() if value is not None}}
+        return {**common, **{name: value for name, value in M2_FIXED_FIELDS.items() if value is not None},
+                "use_mtp": False, "num_mtp_modules": 0}
     return {
         **common,
         "layer_types": [HF_LAYER_TYPES[kind] for kind in config.layer_kinds],

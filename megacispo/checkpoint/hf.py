@@ -58,9 +58,9 @@ def model_tensor_shapes(config: HybridModelConfig) -> dict[str, tuple[int, ...]]
             shapes[f"{prefix}self_attention.{name}.weight"] = shape
         shapes[prefix + hf_names.ROUTER_KEY] = (experts, hidden)
         if config.family == M2:
-            shapes[prefix + "self_attention.q_norm.weight"] = (width,)
-            shapes[prefix + "self_attention.k_norm.weight"] = (kv_width,)
-            shapes[prefix + hf_names.ROUTER_BIAS_KEY] = (experts,)
+            q_norm, k_norm = hf_names.QK_NORM_NAMES
+            shapes.update({prefix + q_norm: (width,), prefix + k_norm: (kv_width,),
+                           prefix + hf_names.ROUTER_BIAS_KEY: (experts,)})
         shapes[prefix + hf_names.EXPERT_FC1_KEY] = (experts, 2 * inner, hidden)
         shapes[prefix + hf_names.EXPERT_FC2_KEY] = (experts, hidden, inner)
     return shapes

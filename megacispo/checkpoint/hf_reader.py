@@ -2,13 +2,20 @@
 from the headers, checked against the model before anything is written or built
 (``check_hf_tensors``, which the converter and the run-time loader share), and each tensor (or the
 region of one of ours that a chunk covers) read with exactly the bytes it needs and checked to be
-finite."""
+finite.
+
+Block-quantized FP8 checkpoints (the released MiniMax-M2 line; DeepSeek-V3's layout: config.json's
+``quantization_config`` says quant_method "fp8" with a ``weight_block_size`` [rows, cols]) store a
+quantized weight W [..., out, in] as F8_E4M3 beside ``W_scale_inv`` [..., ceil(out / rows),
+ceil(in / cols)], W = q * scale_inv block by block: each is read dequantized, in float32, then cast
+to the model's dtype."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +32,38 @@ from megacispo.checkpoint.formats import (
 )
 from megacispo.checkpoint.streaming import TensorMeter, check_finite, nbytes
 from megacispo.models.config import PARAMS_DTYPES
-from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY, FUSED
+from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY, FUSED, mtp_layer_prefixes
 
 # Derived (recomputed) lightning buffers that HF may hold: neither read nor written.
 DERIVED_SUFFIXES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+FP8 = "F8_E4M3"
+SCALE_SUFFIX = "_scale_inv"  # of an FP8 weight: the factor of each of its blocks
+
+
+def fp8_block_size(config: dict[str, Any], config_path: Path) -> tuple[int, int] | None:
+    """The [rows, cols] of the FP8 weight blocks of a config.json's ``quantization_config``; None: the
+    checkpoint is not quantized. ValueError naming the field for a quantization megacispo does not read."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return None
+    fp8 = isinstance(quantization, dict) and quantization.get("quant_method") == "fp8" and (
+        quantization.get("fmt", "float8_e4m3fn") == "float8_e4m3fn")
+    block = quantization.get("weight_block_size") if fp8 else None
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in block)):
+        raise ValueError(
+            f"{config_path} quantization_config = {quantization!r}: megacispo reads unquantized checkpoints and "
+            f"block-quantized FP8 ones (quant_method 'fp8', fmt 'float8_e4m3fn', weight_block_size [rows, cols]); "
+            f"dequantize this one to bfloat16 first.")
+    return block[0], block[1]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 W [..., out, in] of an FP8 weight and its per-block factors [..., ceil(out / rows), ceil(in / cols)]
+    (the last block of a row or column may be partial)."""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    return weight.float() * scale.repeat_interleave(block[1], dim=-1)[..., :cols]
 
 
 @dataclasses.dataclass
@@ -42,6 +77,8 @@ class HFCheckpoint:
     shape_of: dict[str, tuple[int, ...]]
     dtype_of: dict[str, str]
     """HF tensor name -> safetensors dtype name (F32, BF16, ...)."""
+    fp8_block: tuple[int, int] | None = None
+    """The [rows, cols] of the blocks of its FP8 weights (config.json's quantization_config); None: unquantized."""
 
     def path_of(self, name: str) -> Path:
         return self.directory / self.file_of[name]
@@ -56,6 +93,7 @@ def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
     if not directory.is_dir():
         raise ValueError(f"{directory}: no such directory; pass a Hugging Face model directory.")
     config = read_hf_config(directory)
+    fp8_block = fp8_block_size(config, directory / CONFIG_FILE)
     index_path = directory / INDEX_FILE
     if index_path.is_file():
         weight_map = read_json(index_path).get("weight_map")
@@ -93,7 +131,7 @@ def read_hf_checkpoint(hf_dir: str | os.PathLike) -> HFCheckpoint:
                 f"tensor {name} is listed in {index_path} under {directory / file_name}, but that file does not "
                 f"hold it."
             )
-    return HFCheckpoint(directory, config, file_of, shape_of, dtype_of)
+    return HFCheckpoint(directory, config, file_of, shape_of, dtype_of, fp8_block)
 
 
 class HFTensorReader:
@@ -116,13 +154,21 @@ class HFTensorReader:
         return self.headers[file_name]
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The tensor, or only its slice [index] along the first axis; CheckpointError
-        (streaming.check_finite) when it holds a NaN or an infinity. Its dtype was checked with
-        the headers (``check_hf_tensors``)."""
+        """The tensor, or only its slice [index] along the first axis, an FP8 weight dequantized;
+        CheckpointError (streaming.check_finite) when it holds a NaN or an infinity. Its dtype was
+        checked with the headers (``check_hf_tensors``)."""
+        tensor = self._read_stored(name, index)
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = dequantize_fp8(tensor, self._read_stored(name + SCALE_SUFFIX, index), self.checkpoint.fp8_block)
+        check_finite(name if index is None else f"{name} (expert {index})", tensor, self.checkpoint.path_of(name))
+        return tensor
+
+    def _read_stored(self, name: str, index: int | None) -> torch.Tensor:
+        """The tensor (or its slice [index]) as the file stores it."""
         file_name = self.checkpoint.file_of[name]
         data_start, header = self._header(file_name)
         entry = header[name]
-        dtype = SAFETENSORS_DTYPE_OF[entry["dtype"]]
+        dtype = torch.float8_e4m3fn if entry["dtype"] == FP8 else SAFETENSORS_DTYPE_OF[entry["dtype"]]
         shape, start = tuple(entry["shape"]), entry["data_offsets"][0]
         if index is not None:
             shape = shape[1:]
@@ -136,7 +182,6 @@ class HFTensorReader:
             # Into the tensor's own bytes, as uint8 (numpy has no bfloat16); little-endian host.
             if file.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != tensor.nbytes:
                 raise ValueError(f"{self.checkpoint.path_of(name)} ends inside tensor {name}: the file is truncated.")
-        check_finite(name if index is None else f"{name} (expert {index})", tensor, self.checkpoint.path_of(name))
         return tensor
 
 
@@ -147,18 +192,47 @@ def check_hf_tensors(checkpoint: HFCheckpoint, mappings: list, global_shapes: di
     check_no_unknown_tensors(checkpoint, mappings)
     check_hf_shapes(checkpoint, mappings, global_shapes)
     for name in (name for mapping in mappings for name in mapping.hf_names):
-        if checkpoint.dtype_of[name] not in SAFETENSORS_DTYPE_OF:
+        if checkpoint.dtype_of[name] == FP8 and checkpoint.fp8_block is not None:
+            _check_fp8_scale(checkpoint, name)
+        elif checkpoint.dtype_of[name] not in SAFETENSORS_DTYPE_OF:
             raise ValueError(
                 f"HF tensor {name} in {checkpoint.path_of(name)} is {checkpoint.dtype_of[name]}: megacispo reads "
-                f"{sorted(SAFETENSORS_DTYPE_OF)}; convert the checkpoint to one of them."
+                f"{sorted(SAFETENSORS_DTYPE_OF)}, and {FP8} with a block-quantized FP8 quantization_config in "
+                f"{CONFIG_FILE}; convert the checkpoint to one of them."
             )
 
 
+def _check_fp8_scale(checkpoint: HFCheckpoint, name: str) -> None:
+    """An FP8 weight has its per-block factors, one for each block of its last two axes."""
+    scale = name + SCALE_SUFFIX
+    if scale not in checkpoint.file_of:
+        raise ValueError(f"HF tensor {name} in {checkpoint.path_of(name)} is {FP8} without its {scale}: the "
+                         f"checkpoint is incomplete; download it again.")
+    shape, (rows, cols) = checkpoint.shape_of[name], checkpoint.fp8_block
+    expected = (*shape[:-2], -(-shape[-2] // rows), -(-shape[-1] // cols))
+    if checkpoint.shape_of[scale] != expected or checkpoint.dtype_of[scale] not in SAFETENSORS_DTYPE_OF:
+        raise ValueError(
+            f"HF tensor {scale} in {checkpoint.path_of(scale)} is {checkpoint.dtype_of[scale]} "
+            f"{checkpoint.shape_of[scale]}: the {FP8} weight {name} {shape} in blocks of {[rows, cols]} needs a "
+            f"float tensor of shape {expected}; the checkpoint does not match its {CONFIG_FILE}'s quantization_config.")
+
+
 def check_no_unknown_tensors(checkpoint: HFCheckpoint, mappings: list) -> None:
-    """Every HF tensor must map to one of ours (derived decay buffers aside)."""
+    """Every HF tensor must map to one of ours (derived decay buffers and M2's multi-token-prediction
+    modules aside: a warning says how many of those are passed over, and why)."""
     known = {name for mapping in mappings for name in mapping.hf_names}
+    if checkpoint.fp8_block is not None:
+        known |= {name + SCALE_SUFFIX for name in known}
+    mtp = mtp_layer_prefixes(checkpoint.config)
+    passed_over = sorted(name for name in checkpoint.file_of if name.startswith(mtp))
+    if passed_over:
+        warnings.warn(
+            f"{checkpoint.directory}: {len(passed_over)} tensors of {len(mtp)} multi-token-prediction modules "
+            f"({mtp[0]}* ...) are not read: megacispo's MiniMax-M2 has no MTP modules (neither has transformers'; "
+            f"vLLM and SGLang skip them too). They are not trained and not exported; the RL loss is the next-token "
+            f"loss.", stacklevel=2)
     for name, file_name in sorted(checkpoint.file_of.items()):
-        if name not in known and not name.endswith(DERIVED_SUFFIXES):
+        if name not in known and not name.endswith(DERIVED_SUFFIXES) and not name.startswith(mtp):
             raise ValueError(
                 f"unknown HF tensor {name} in {checkpoint.directory / file_name}: it maps to no tensor of the model "
                 f"described by {CONFIG_FILE} (a different architecture, or a config that does not match the weights)."

@@ -434,7 +434,8 @@ def test_compiled_step_of_parallel_layouts_equals_megatron_path(name, backend):
 # StackingTEGroupedMLP, its weights ``weight{i}`` of one grouped linear per projection), its grouped
 # linears twinned on the CPU (megacispo.testing.te_twins), in one process and on 2 (EP 2: gather and
 # reduce-scatter; TP 2 with expert TP 2: the shards' all-reduce), within generation_dtype as rollouts
-# run it: the lean step's stacks of ``weight{i}`` against Megatron's TEGroupedMLP forward on them.
+# run it: the lean step's stacks of ``weight{i}`` against Megatron's TEGroupedMLP forward on them; MiniMax-M2
+# (sigmoid router, selection bias) in one process and at EP 2.
 TE_EXPERT_LAYOUTS = {
     "one_process": ({}, 1),
     "ep2": ({"expert_model_parallel_size": 2}, 2),
@@ -442,12 +443,12 @@ TE_EXPERT_LAYOUTS = {
 }
 
 
-def _compare_te_experts(layout: dict) -> dict:
+def _compare_te_experts(layout: dict, size: str = "tiny") -> dict:
     from megacispo.models.experts import StackingTEGroupedMLP
     from megacispo.testing.te_twins import te_experts_twinned
 
     with te_experts_twinned():
-        model = _build_model(torch.float64, layout)
+        model = _build_model(torch.float64, layout, size)
     experts = [layer.mlp.experts for layer in model.decoder.layers]
     parameters = dict(model.named_parameters())
     prompts, steps = _inputs(model.vocab_size)
@@ -460,14 +461,16 @@ def _compare_te_experts(layout: dict) -> dict:
     return outcome
 
 
-@pytest.mark.parametrize("name", sorted(TE_EXPERT_LAYOUTS))
-def test_lean_step_of_transformer_engine_experts_equals_megatron_path(name):
+@pytest.mark.parametrize("name, size", [*((name, "tiny") for name in sorted(TE_EXPERT_LAYOUTS)),
+                                        ("one_process", "tiny-m2"), ("ep2", "tiny-m2")])
+def test_lean_step_of_transformer_engine_experts_equals_megatron_path(name, size):
     layout, world_size = TE_EXPERT_LAYOUTS[name]
-    for rank, outcome in enumerate(run_distributed(_compare_te_experts, world_size, layout)):
+    tolerance = M2_FP64_TOLERANCE if size == "tiny-m2" else TOLERANCE["float64"]
+    for rank, outcome in enumerate(run_distributed(_compare_te_experts, world_size, layout, size)):
         assert outcome["te_experts"] and outcome["stacked"] and outcome["parameters_back"], (name, rank)
         assert outcome["scale"] > 1.0, "the test model must produce non-trivial logits"
         assert outcome["block_calls"] == {"lean": 0, "megatron": NUM_STEPS}, (name, rank, outcome["block_calls"])
-        assert outcome["error"]["lean"] <= TOLERANCE["float64"] * outcome["scale"], (
+        assert outcome["error"]["lean"] <= tolerance * outcome["scale"], (
             f"{name} rank {rank}: max abs difference {outcome['error']['lean']:.2e} "
             f"at logits up to {outcome['scale']:.1f}"
         )
