@@ -80,7 +80,7 @@ GRADIENT_LAYOUTS = {
 
 def _rows(index: range, moe_layers: int, topk: int) -> dict[str, torch.Tensor]:
     """GRADIENT_SEQUENCES[index] right-padded as the trainer batches a step; the rollout's experts (which
-    only its router-disagreement metric reads: routing replay is off) are expert 0 everywhere."""
+    only the router-disagreement metric reads: routing replay is off) are expert 0 everywhere."""
     sequences = [GRADIENT_SEQUENCES[i] for i in index]
     width = max(len(tokens) for tokens in sequences)
     tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in sequences])
