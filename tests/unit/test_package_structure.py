@@ -27,6 +27,8 @@ DEFERRED_IMPORTS = {
     ("megacispo.models.experts", "megacispo.models.experts_triton"),
     # The CPU layer's one switch (parallel/cpu), turned on only on a CPU run.
     ("megacispo.parallel.layout", "megacispo.parallel.cpu"),
+    # vLLM's CPU shims, applied only to a vLLM engine started without a CUDA device.
+    ("megacispo.rollout.vllm_engine", "megacispo.parallel.cpu.vllm"),
     # Megatron-Core's load strategies, imported at the first load (the dry runs import no Megatron-Core).
     ("megacispo.checkpoint.distributed", "megacispo.checkpoint.dcp_load"),
 }
