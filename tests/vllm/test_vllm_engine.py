@@ -7,7 +7,8 @@ training process):
   equals transformers' (fp32);
 - weights updated in place (megacispo.rollout.vllm_engine.update_weights, vLLM's reload with a weights
   iterator: the trainer's tensors under HF's names) to another M2's, then back, give each policy's tokens
-  and log-probs;
+  and log-probs, and pass verify_weights' probe; an update with one tensor left out, or one expert's rows
+  in another's place, is caught by it;
 - the CPU shims (megacispo.parallel.cpu.vllm) hold and are needed: vLLM leaves this process's torch
   threads as they were; its reload meets partial weight loaders without a name; a reload without the
   expert repack gives wrong log-probs; without the router shim vLLM's CPU router refuses M2's sigmoid
@@ -17,6 +18,8 @@ The tiny M2 has head_dim 32: vLLM's CPU attention has no kernel for megacispo's 
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -30,6 +33,9 @@ PROMPTS = [[1, 5, 9, 200, 511, 3, 7], list(range(10, 51)), [300, 2, 2, 2, 17]]
 NEW_TOKENS = 12
 FIELDS = {"head_dim": 32, "rotary_dim": 16}
 LOGPROB_TOLERANCE = 1e-4  # |vLLM's log-prob - transformers'| (fp32)
+PROBE_TOLERANCE = 1e-4  # verify_weights' bound in fp32
+SKIPPED = "model.layers.2.self_attn.o_proj.weight"
+SWAPPED = ("model.layers.1.block_sparse_moe.experts.0.w1.weight", "model.layers.1.block_sparse_moe.experts.1.w1.weight")
 
 
 def _transformers_greedy(hf_model) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -44,6 +50,13 @@ def _transformers_greedy(hf_model) -> tuple[list[list[int]], list[torch.Tensor]]
             tokens.append(output[0, len(prompt):].tolist())
             logprobs.append(every.gather(-1, output[0, len(prompt):, None])[:, 0])
     return tokens, logprobs
+
+
+def _transformers_logprobs(hf_model) -> list[torch.Tensor]:
+    """transformers' log p(tokens[i + 1] | tokens[: i + 1]) of each of PROMPTS: the probe of a weight update."""
+    with torch.no_grad():
+        return [torch.log_softmax(hf_model(torch.tensor([tokens])).logits.double(), dim=-1)[0, :-1]
+                .gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0] for tokens in PROMPTS]
 
 
 def _moved(hf_model) -> None:
@@ -73,7 +86,7 @@ def _generate_on_every_engine(root: str) -> dict:
     from megacispo.rollout.config import RolloutConfig
     from megacispo.rollout.generate import generate, sample_keys
     from megacispo.rollout.vllm_engine import generate as vllm_generate
-    from megacispo.rollout.vllm_engine import start_vllm, update_weights
+    from megacispo.rollout.vllm_engine import start_vllm, update_weights, verify_weights
     from megacispo.testing import hf_models
 
     hf_model = hf_models.hf_model(M2, **FIELDS)
@@ -84,6 +97,7 @@ def _generate_on_every_engine(root: str) -> dict:
     config_json = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps({**config_json, **hf_names.config_to_hf(config)}))
     transformers_tokens, transformers_logprobs = _transformers_greedy(hf_model)
+    probe = _transformers_logprobs(hf_model)
 
     init_distributed(ParallelConfig(), seed=0)
     model = HybridModel(config, transformer_config(config, ParallelConfig()))
@@ -103,12 +117,31 @@ def _generate_on_every_engine(root: str) -> dict:
     # The trainer's tensors under HF's names (the legacy expert layout a checkpoint has), as a sync sends them.
     _moved(hf_model)
     moved_tokens, moved_logprobs = _transformers_greedy(hf_model)
+    moved_probe = _transformers_logprobs(hf_model)
     moved_weights = hf_models.full_to_hf(hf_models.hf_to_full(hf_model.state_dict(), config), config)
     unnamed_loaders = llm.apply_model(name_partial_weight_loaders)
     update_weights(llm, moved_weights.items())
     results["moved"] = vllm_generate(llm, PROMPTS, greedy)
+    verified = {"moved": verify_weights(llm, PROMPTS, moved_probe, PROBE_TOLERANCE)}
     update_weights(llm, hf_models.full_to_hf(full, config).items())
     results["back"] = vllm_generate(llm, PROMPTS, greedy)
+    verified["back"] = verify_weights(llm, PROMPTS, probe, PROBE_TOLERANCE)
+    # Planted bad updates towards the moved weights: one tensor not sent (it keeps the first M2's value), one
+    # expert's rows in another's place.
+    swapped = dict(moved_weights)
+    swapped[SWAPPED[0]], swapped[SWAPPED[1]] = moved_weights[SWAPPED[1]], moved_weights[SWAPPED[0]]
+    bad_updates = {"skipped": {name: tensor for name, tensor in moved_weights.items() if name != SKIPPED},
+                   "swapped": swapped}
+    caught = {}
+    for name, weights in bad_updates.items():
+        update_weights(llm, weights.items())
+        try:
+            verify_weights(llm, PROMPTS, moved_probe, PROBE_TOLERANCE)
+            caught[name] = None
+        except ValueError as error:
+            caught[name] = str(error)
+    update_weights(llm, moved_weights.items())
+    verified["after the bad ones"] = verify_weights(llm, PROMPTS, moved_probe, PROBE_TOLERANCE)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(moved_weights.items())})
     results["moved_unpacked"] = vllm_generate(llm, PROMPTS, greedy)
 
@@ -131,7 +164,8 @@ def _generate_on_every_engine(root: str) -> dict:
             "ours": ours, "vllm": {name: ([tokens for tokens, _ in result],
                                           [torch.tensor(logprobs, dtype=torch.float64) for _, logprobs in result])
                                    for name, result in results.items()},
-            "unnamed_loaders": unnamed_loaders, "unshimmed_routers": unshimmed, "unshimmed_error": unshimmed_error,
+            "verified": verified, "caught": caught, "unnamed_loaders": unnamed_loaders,
+            "unshimmed_routers": unshimmed, "unshimmed_error": unshimmed_error,
             "threads": (threads, threads_after_start)}
 
 
@@ -161,6 +195,18 @@ def test_weights_updated_in_place_give_the_new_policy(engines):
     assert engines["moved"][0] != engines["transformers"][0], "the moved weights must change the greedy tokens"
     _assert_vllm_equals(engines, "moved", "moved")
     _assert_vllm_equals(engines, "back", "transformers")
+
+
+def test_every_update_is_verified_and_a_bad_one_is_caught(engines):
+    """After each update vLLM's log-probs of the probe are the trainer's (here transformers'); an update that
+    leaves one tensor out, or puts one expert's rows in another's place, is caught naming where the
+    log-probs differ, and a good update after it passes again."""
+    assert all(error <= PROBE_TOLERANCE for error in engines["verified"].values()), engines["verified"]
+    for name, message in engines["caught"].items():
+        assert message is not None, f"the {name} update was not caught"
+        assert re.match(r"vLLM's weights are not the trainer's after the update: its log-prob of probe sequence \d+'s "
+                        r"token \d+ is -?\d+\.\d+, the trainer's -?\d+\.\d+ \(\|difference\| [\d.e+-]+ > 0.0001\); "
+                        r"a tensor was not sent or was loaded into the wrong place", message), message
 
 
 def test_starting_vllm_leaves_this_process_threads(engines):
