@@ -15,9 +15,13 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
+
+from megacispo.models import hf_names
+from megacispo.models.config import HybridModelConfig
+from megacispo.rollout.weight_sync import BUCKET_BYTES, full_tensors, weight_buckets
 
 # The vLLM releases this module is tested with: [first, last) as (major, minor).
 SUPPORTED_VERSIONS = ((0, 32), (0, 34))
@@ -97,6 +101,28 @@ def update_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from megacispo.parallel.cpu.vllm import repack_cpu_experts
 
         llm.apply_model(repack_cpu_experts)
+
+
+def hf_weights(config: HybridModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors under megacispo's checkpoint keys -> the same under Hugging Face's names, in the
+    per-expert layout that the released checkpoints have and vLLM's loaders read."""
+    mapping_of = {mapping.key: mapping for mapping in hf_names.tensor_mappings(config, hf_names.LEGACY)}
+    for key, tensor in tensors:
+        yield from mapping_of[key].to_hf(tensor).items()
+
+
+def send_weights(module: torch.nn.Module, config: HybridModelConfig, llm, version: int,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Every training rank, at any layout: the model's weights gathered onto training rank 0 in buckets of
+    ``bucket_bytes`` (megacispo.rollout.weight_sync) and loaded there into ``llm`` (``update_weights``),
+    each tensor as soon as its buckets have arrived; ``llm`` is None on the other ranks."""
+    header, buckets = weight_buckets(module, version, bucket_bytes)
+    if llm is None:
+        for _ in buckets:  # each is a collective: every rank takes part
+            pass
+        return
+    update_weights(llm, hf_weights(config, full_tensors(header, buckets)))
 
 
 def prompt_logprobs(llm, sequences: list[list[int]]) -> list[torch.Tensor]:

@@ -11,6 +11,9 @@ broadcasts it to the rollout processes, after one header (the plan) that is the 
 Each rollout process copies every bucket into its replica. Supported: any training layout the trainer
 supports, the rollout side at TP = PP = EP = 1.
 
+``weight_buckets`` and ``full_tensors`` give the same buckets, and the full tensors they hold, to another
+consumer on training rank 0 (megacispo.rollout.vllm_engine: vLLM in that process).
+
 Memory during a sync: on each training rank, a copy of its pieces and one bucket; on training rank 0,
 the buckets it has broadcast until the rollout processes receive them (after the round they are
 generating: the full model at most); on each rollout process, one bucket beside its replica.
@@ -80,11 +83,11 @@ class _Block:
     sizes: tuple[int, ...]
 
 
-def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int,
-                    bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Every training rank: send the model's full weights to the rollout processes in buckets of
-    ``bucket_bytes`` (see the module's docstring). Training rank 0 returns once the buckets are queued,
-    not received."""
+def weight_buckets(module: torch.nn.Module, version: int,
+                   bucket_bytes: int = BUCKET_BYTES) -> tuple[WeightsHeader, Iterator[torch.Tensor]]:
+    """Every training rank: the plan of the model's full weights in buckets of ``bucket_bytes``, and the
+    buckets, each sum-reduced onto training rank 0 as it is taken (see the module's docstring). Every rank
+    takes every bucket, in order; only rank 0's hold the weights."""
     pieces = parameter_pieces(module)
     blocks = [_block(piece) for piece in pieces]
     blocks_by_rank: list = [None] * dist.get_world_size()
@@ -99,20 +102,54 @@ def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int
             owned[block.key].append((block, piece.data.reshape(block.sizes)))
     entries = {block.key: (block.dtype, block.global_shape) for block in owners}
     header = WeightsHeader(version, entries, _plan(entries, bucket_bytes))
+
+    def buckets() -> Iterator[torch.Tensor]:
+        for segments in header.buckets:
+            flat = torch.zeros(_bucket_numel(header, segments), dtype=entries[segments[0][0]][0], device=run_device())
+            for (key, first, end), rows in _segment_rows(header, segments, flat):
+                for block, data in owned[key]:
+                    low, high = max(block.starts[0], first), min(block.starts[0] + block.sizes[0], end)
+                    if low < high:
+                        inner = tuple(slice(start, start + size)
+                                      for start, size in zip(block.starts[1:], block.sizes[1:]))
+                        offset = block.starts[0]
+                        rows[(slice(low - first, high - first), *inner)] = data[low - offset:high - offset]
+            dist.reduce(flat, dst=0)
+            yield flat
+
+    return header, buckets()
+
+
+def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int,
+                    bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Every training rank: send the model's full weights to the rollout processes in buckets of
+    ``bucket_bytes`` (see the module's docstring). Training rank 0 returns once the buckets are queued,
+    not received."""
+    header, buckets = weight_buckets(module, version, bucket_bytes)
     if bridge is not None:
         bridge.broadcast_object(header)
-    for segments in header.buckets:
-        flat = torch.zeros(_bucket_numel(header, segments), dtype=entries[segments[0][0]][0], device=run_device())
-        for (key, first, end), rows in _segment_rows(header, segments, flat):
-            for block, data in owned[key]:
-                low, high = max(block.starts[0], first), min(block.starts[0] + block.sizes[0], end)
-                if low < high:
-                    inner = tuple(slice(start, start + size) for start, size in zip(block.starts[1:], block.sizes[1:]))
-                    offset = block.starts[0]
-                    rows[(slice(low - first, high - first), *inner)] = data[low - offset:high - offset]
-        dist.reduce(flat, dst=0)
+    for flat in buckets:
         if bridge is not None:
             bridge.broadcast_tensor(flat)
+
+
+def full_tensors(header: WeightsHeader, buckets: Iterator[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Training rank 0: each full tensor of ``weight_buckets``, by key, as soon as its last rows arrive
+    (a tensor whose rows lie in several buckets is copied together; one within a bucket is a view of it)."""
+    pending: dict[str, tuple[torch.Tensor, int]] = {}
+    for segments, flat in zip(header.buckets, buckets, strict=True):
+        for (key, first, end), rows in _segment_rows(header, segments, flat):
+            dtype, shape = header.entries[key]
+            num_rows = _row_shape(shape)[0]
+            if first == 0 and end == num_rows:
+                yield key, rows.view(shape)
+                continue
+            tensor, filled = pending.pop(key, (torch.empty(_row_shape(shape), dtype=dtype, device=flat.device), 0))
+            tensor[first:end] = rows
+            if filled + end - first == num_rows:
+                yield key, tensor.view(shape)
+            else:
+                pending[key] = (tensor, filled + end - first)
 
 
 def receive_weights(model: torch.nn.Module, bridge: Bridge, header: WeightsHeader) -> None:

@@ -6,7 +6,8 @@ training process):
 - greedy tokens from vLLM equal megacispo's and transformers' token for token, and vLLM's log-prob of each
   equals transformers' (fp32);
 - weights updated in place (megacispo.rollout.vllm_engine.update_weights, vLLM's reload with a weights
-  iterator: the trainer's tensors under HF's names) to another M2's, then back, give each policy's tokens
+  iterator: the trainer's tensors under HF's names) to another M2's, then back (send_weights from
+  megacispo's model, in buckets, as a training step sends them), give each policy's tokens
   and log-probs, and pass verify_weights' probe; an update with one tensor left out, or one expert's rows
   in another's place, is caught by it;
 - the CPU shims (megacispo.parallel.cpu.vllm) hold and are needed: vLLM leaves this process's torch
@@ -86,7 +87,7 @@ def _generate_on_every_engine(root: str) -> dict:
     from megacispo.rollout.config import RolloutConfig
     from megacispo.rollout.generate import generate, sample_keys
     from megacispo.rollout.vllm_engine import generate as vllm_generate
-    from megacispo.rollout.vllm_engine import start_vllm, update_weights, verify_weights
+    from megacispo.rollout.vllm_engine import send_weights, start_vllm, update_weights, verify_weights
     from megacispo.testing import hf_models
 
     hf_model = hf_models.hf_model(M2, **FIELDS)
@@ -123,7 +124,8 @@ def _generate_on_every_engine(root: str) -> dict:
     update_weights(llm, moved_weights.items())
     results["moved"] = vllm_generate(llm, PROMPTS, greedy)
     verified = {"moved": verify_weights(llm, PROMPTS, moved_probe, PROBE_TOLERANCE)}
-    update_weights(llm, hf_models.full_to_hf(full, config).items())
+    # Back to the first M2's weights, from megacispo's model of them, as a training step's sync sends them.
+    send_weights(model, config, llm, version=1, bucket_bytes=4096)
     results["back"] = vllm_generate(llm, PROMPTS, greedy)
     verified["back"] = verify_weights(llm, PROMPTS, probe, PROBE_TOLERANCE)
     # Planted bad updates towards the moved weights: one tensor not sent (it keeps the first M2's value), one
