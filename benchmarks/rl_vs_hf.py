@@ -33,7 +33,8 @@ eagerly and compiled (``rollout.compile_decode``: torch.compile of the step, com
 generation of a few tokens whose time is printed), vs
 ``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
 With ``--vllm`` (M2 only, in .venv-vllm) vLLM generates too, in this process from the same weights
-(megacispo.rollout.vllm_engine, greedy, ``min_tokens = max_tokens = N``, a 1 GiB K/V cache).
+(megacispo.rollout.vllm_engine, greedy, ``min_tokens = max_tokens = N``, a 1 GiB K/V cache), and a
+training step's weight sync to it is timed (send_weights from our model, then verify_weights).
 
 The script prints the CPU and what each side's fp32 products run on: ours through the CPU layer
 (parallel/cpu: oneDNN where it takes fp32, i.e. CPUs with AVX-512, and a few-rows kernel for decode
@@ -275,28 +276,57 @@ def hf_generate(hf_model, prompts: torch.Tensor, new_tokens: int) -> torch.Tenso
     return output[:, prompts.shape[1] :]
 
 
-def vllm_generator(hf_model, config: HybridModelConfig, args) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Greedy generation by vLLM (megacispo.rollout.vllm_engine, in this process) from the HF model's
-    weights, saved for it to load: prompts [b, P] -> the new tokens [b, --gen-tokens]."""
+def start_vllm_side(hf_model, config: HybridModelConfig, args):
+    """vLLM (megacispo.rollout.vllm_engine, in this process) on the HF model's weights, saved for it to load."""
     import json
     import tempfile
 
-    from vllm import SamplingParams
-
     from megacispo.models import hf_names
-    from megacispo.rollout.vllm_engine import generate, start_vllm
+    from megacispo.rollout.vllm_engine import start_vllm
 
     with tempfile.TemporaryDirectory(prefix="rl_vs_hf_vllm_") as directory:
         hf_model.save_pretrained(directory)
         config_path = Path(directory) / "config.json"
         # The released configs' routing fields, which transformers drops and vLLM reads.
         config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **hf_names.config_to_hf(config)}))
-        llm = start_vllm(directory, dtype=torch.float32, max_model_len=args.prompt_tokens + args.gen_tokens,
-                         kv_cache_gib=1.0)
-    # No stop ids: every sample runs all --gen-tokens steps, as min_new_tokens forces in HF.
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, min_tokens=args.gen_tokens, logprobs=0,
+        return start_vllm(directory, dtype=torch.float32, max_model_len=args.prompt_tokens + args.gen_tokens,
+                          kv_cache_gib=1.0)
+
+
+def vllm_generate(llm, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """prompts [b, P] -> vLLM's greedy new tokens [b, new_tokens]."""
+    from vllm import SamplingParams
+
+    from megacispo.rollout.vllm_engine import generate
+
+    # No stop ids: every sample runs all new_tokens steps, as min_new_tokens forces in HF.
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=0,
                             detokenize=False)
-    return lambda prompts: torch.tensor([tokens for tokens, _ in generate(llm, prompts.tolist(), greedy)])
+    return torch.tensor([tokens for tokens, _ in generate(llm, prompts.tolist(), greedy)])
+
+
+def run_vllm_sync(engine, hf_model, llm, args) -> None:
+    """A training step's weight sync to vLLM, timed: send_weights from our model (its buckets, vLLM's reload
+    and, on a CPU, the experts' repack), then verify_weights on a probe of 4 sequences of --prompt-tokens
+    tokens (vLLM's log-probs of them against HF's, the same weights)."""
+    from megacispo.rollout.vllm_engine import send_weights, verify_weights
+
+    probe = torch.randint(1, hf_model.config.vocab_size, (4, args.prompt_tokens),
+                          generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), torch_products():
+        logprobs = torch.log_softmax(hf_model(probe).logits.double(), dim=-1)[:, :-1]
+    expected = list(logprobs.gather(-1, probe[:, 1:, None])[..., 0])
+    sync, verify, worst = [], [], 0.0
+    for version in range(3):
+        start = time.perf_counter()
+        send_weights(engine.module, engine.config.model, llm, version)
+        sync.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        worst = verify_weights(llm, probe.tolist(), expected, tolerance=1e-3)
+        verify.append(time.perf_counter() - start)
+    print(f"\nweight sync to vLLM ({parameter_count(engine.module):,} parameters, fp32, the median of 3): "
+          f"send_weights {1e3 * statistics.median(sync):.0f} ms, verify_weights (4 x {args.prompt_tokens} "
+          f"tokens) {1e3 * statistics.median(verify):.0f} ms; the probe's largest |log-prob difference| {worst:.1e}")
 
 
 def our_prefill(model, prompts: torch.Tensor) -> None:
@@ -406,8 +436,10 @@ def run_generation(engine, hf_model, args) -> None:
         "HF": lambda prompts: hf_generate(hf_model, prompts, args.gen_tokens),
     }
     if args.vllm:
-        sides["vLLM"] = vllm_generator(hf_model, engine.config.model, args)
-        sides["vLLM"](warm)
+        llm = start_vllm_side(hf_model, engine.config.model, args)
+        sides["vLLM"] = lambda prompts: vllm_generate(llm, prompts, args.gen_tokens)
+        vllm_generate(llm, warm, 4)
+        run_vllm_sync(engine, hf_model, llm, args)
     for batch_size in args.gen_batch:
         # Distinct random prompts of one length: no padding on either side.
         prompts = torch.randint(1, vocab, (batch_size, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
