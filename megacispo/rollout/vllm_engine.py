@@ -133,8 +133,9 @@ def prompt_logprobs(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=tokens) for tokens in sequences], params, use_tqdm=False)
+    # On the host, where vLLM returns them.
     return [torch.tensor([step[token].logprob for token, step in zip(tokens[1:], output.prompt_logprobs[1:])],
-                         dtype=torch.float64) for tokens, output in zip(sequences, outputs)]
+                         dtype=torch.float64, device="cpu") for tokens, output in zip(sequences, outputs)]
 
 
 def verify_weights(llm, probe: list[list[int]], expected: list[torch.Tensor], tolerance: float) -> float:
