@@ -34,7 +34,7 @@ generation of a few tokens whose time is printed), vs
 ``model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)``. Prefill is also timed alone.
 With ``--vllm`` (M2 only, in .venv-vllm) vLLM generates too, in this process from the same weights
 (megacispo.rollout.vllm_engine, greedy, ``min_tokens = max_tokens = N``, a 1 GiB K/V cache), and a
-training step's weight sync to it is timed (send_weights from our model, then verify_weights).
+training step's weight sync to it is timed (send_weights from our model, its verification included).
 
 The script prints the CPU and what each side's fp32 products run on: ours through the CPU layer
 (parallel/cpu: oneDNN where it takes fp32, i.e. CPUs with AVX-512, and a few-rows kernel for decode
@@ -307,8 +307,8 @@ def vllm_generate(llm, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 def run_vllm_sync(engine, hf_model, llm, args) -> None:
     """A training step's weight sync to vLLM, timed: send_weights from our model (its buckets, vLLM's reload
-    and, on a CPU, the experts' repack), then verify_weights on a probe of 4 sequences of --prompt-tokens
-    tokens (vLLM's log-probs of them against HF's, the same weights)."""
+    and, on a CPU, the experts' repack; then its verification on a probe of 4 sequences of --prompt-tokens
+    tokens, vLLM's log-probs of them against HF's, the same weights), and the verification alone."""
     from megacispo.rollout.vllm_engine import send_weights, verify_weights
 
     probe = torch.randint(1, hf_model.config.vocab_size, (4, args.prompt_tokens),
@@ -319,13 +319,14 @@ def run_vllm_sync(engine, hf_model, llm, args) -> None:
     sync, verify, worst = [], [], 0.0
     for version in range(3):
         start = time.perf_counter()
-        send_weights(engine.module, engine.config.model, llm, version)
+        worst = send_weights(engine.module, engine.config.model, llm, version, probe=probe.tolist(),
+                             expected=expected, tolerance=1e-3)
         sync.append(time.perf_counter() - start)
         start = time.perf_counter()
-        worst = verify_weights(llm, probe.tolist(), expected, tolerance=1e-3)
+        verify_weights(llm, probe.tolist(), expected, tolerance=1e-3)
         verify.append(time.perf_counter() - start)
     print(f"\nweight sync to vLLM ({parameter_count(engine.module):,} parameters, fp32, the median of 3): "
-          f"send_weights {1e3 * statistics.median(sync):.0f} ms, verify_weights (4 x {args.prompt_tokens} "
+          f"send_weights {1e3 * statistics.median(sync):.0f} ms, of which verifying it (4 x {args.prompt_tokens} "
           f"tokens) {1e3 * statistics.median(verify):.0f} ms; the probe's largest |log-prob difference| {worst:.1e}")
 
 

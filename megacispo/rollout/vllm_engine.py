@@ -112,17 +112,21 @@ def hf_weights(config: HybridModelConfig, tensors: Iterable[tuple[str, torch.Ten
         yield from mapping_of[key].to_hf(tensor).items()
 
 
-def send_weights(module: torch.nn.Module, config: HybridModelConfig, llm, version: int,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+def send_weights(module: torch.nn.Module, config: HybridModelConfig, llm, version: int, *,
+                 probe: list[list[int]], expected: list[torch.Tensor], tolerance: float,
+                 bucket_bytes: int = BUCKET_BYTES) -> float | None:
     """Every training rank, at any layout: the model's weights gathered onto training rank 0 in buckets of
     ``bucket_bytes`` (megacispo.rollout.weight_sync) and loaded there into ``llm`` (``update_weights``),
-    each tensor as soon as its buckets have arrived; ``llm`` is None on the other ranks."""
+    each tensor as soon as its buckets have arrived, then verified (``verify_weights`` of ``probe``
+    against the trainer's log-probs of it, ``expected``): rank 0 returns the probe's largest difference,
+    the other ranks, whose ``llm`` is None, return None."""
     header, buckets = weight_buckets(module, version, bucket_bytes)
     if llm is None:
         for _ in buckets:  # each is a collective: every rank takes part
             pass
-        return
+        return None
     update_weights(llm, hf_weights(config, full_tensors(header, buckets)))
+    return verify_weights(llm, probe, expected, tolerance)
 
 
 def prompt_logprobs(llm, sequences: list[list[int]]) -> list[torch.Tensor]:

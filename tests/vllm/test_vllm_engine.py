@@ -125,9 +125,9 @@ def _generate_on_every_engine(root: str) -> dict:
     results["moved"] = vllm_generate(llm, PROMPTS, greedy)
     verified = {"moved": verify_weights(llm, PROMPTS, moved_probe, PROBE_TOLERANCE)}
     # Back to the first M2's weights, from megacispo's model of them, as a training step's sync sends them.
-    send_weights(model, config, llm, version=1, bucket_bytes=4096)
+    verified["back"] = send_weights(model, config, llm, version=1, probe=PROMPTS, expected=probe,
+                                    tolerance=PROBE_TOLERANCE, bucket_bytes=4096)
     results["back"] = vllm_generate(llm, PROMPTS, greedy)
-    verified["back"] = verify_weights(llm, PROMPTS, probe, PROBE_TOLERANCE)
     # Planted bad updates towards the moved weights: one tensor not sent (it keeps the first M2's value), one
     # expert's rows in another's place.
     swapped = dict(moved_weights)
