@@ -276,21 +276,17 @@ def hf_generate(hf_model, prompts: torch.Tensor, new_tokens: int) -> torch.Tenso
     return output[:, prompts.shape[1] :]
 
 
-def start_vllm_side(hf_model, config: HybridModelConfig, args):
-    """vLLM (megacispo.rollout.vllm_engine, in this process) on the HF model's weights, saved for it to load."""
-    import json
+def start_vllm_side(hf_model, max_model_len: int):
+    """vLLM (megacispo.rollout.vllm_engine, in this process) on the HF model's weights, saved for it to load,
+    for sequences of up to ``max_model_len`` tokens."""
     import tempfile
 
-    from megacispo.models import hf_names
     from megacispo.rollout.vllm_engine import start_vllm
+    from megacispo.testing import hf_models
 
     with tempfile.TemporaryDirectory(prefix="rl_vs_hf_vllm_") as directory:
-        hf_model.save_pretrained(directory)
-        config_path = Path(directory) / "config.json"
-        # The released configs' routing fields, which transformers drops and vLLM reads.
-        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **hf_names.config_to_hf(config)}))
-        return start_vllm(directory, dtype=torch.float32, max_model_len=args.prompt_tokens + args.gen_tokens,
-                          kv_cache_gib=1.0)
+        hf_models.save_with_released_fields(hf_model, Path(directory))
+        return start_vllm(directory, dtype=torch.float32, max_model_len=max_model_len, kv_cache_gib=1.0)
 
 
 def vllm_generate(llm, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -437,7 +433,8 @@ def run_generation(engine, hf_model, args) -> None:
         "HF": lambda prompts: hf_generate(hf_model, prompts, args.gen_tokens),
     }
     if args.vllm:
-        llm = start_vllm_side(hf_model, engine.config.model, args)
+        # The warm-up prompt too, which may be longer than --prompt-tokens.
+        llm = start_vllm_side(hf_model, max(args.prompt_tokens, warm.shape[1]) + args.gen_tokens)
         sides["vLLM"] = lambda prompts: vllm_generate(llm, prompts, args.gen_tokens)
         vllm_generate(llm, warm, 4)
         run_vllm_sync(engine, hf_model, llm, args)
@@ -504,7 +501,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip", choices=("train", "generate"), help="leave out one part")
     parser.add_argument("--family", choices=FAMILIES, default=M1, help="the small shape as this MiniMax family")
     parser.add_argument("--vllm", action="store_true",
-                        help="generate with vLLM too (--family minimax-m2; run in .venv-vllm: tools/setup_env.sh --vllm)")
+                        help="generate with vLLM too (--family minimax-m2; in .venv-vllm: tools/setup_env.sh --vllm)")
     args = parser.parse_args()
     if args.vllm and args.family != M2:
         parser.error(f"--vllm needs --family {M2}: vLLM serves MiniMax-M2, not M1")

@@ -83,6 +83,15 @@ def hf_model(family: str = M1, **m2_fields):
     return model
 
 
+def save_with_released_fields(hf_model, directory: Path) -> None:
+    """``hf_model.save_pretrained(directory)``, its config.json with the fields of the released configs that
+    transformers drops (M2's ``scoring_func``, ``use_routing_bias``...: hf_names.config_to_hf), which vLLM reads."""
+    hf_model.save_pretrained(directory)
+    config_path = Path(directory) / "config.json"
+    released = hf_names.config_to_hf(hf_names.config_from_hf(hf_model.config))
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **released}))
+
+
 def hf_logprobs(model) -> list[torch.Tensor]:
     """transformers' log p(tokens[i + 1] | tokens[: i + 1]) of each of SEQUENCES, fp64 softmax of its fp32 logits."""
     out = []

@@ -74,7 +74,6 @@ def _generate_on_every_engine(root: str) -> dict:
     transformers' and vLLM's log-probs of them; vLLM's after its weights are updated in place to another
     M2's and back, and after an update without the expert repack; then vLLM's generation with its routers
     unshimmed."""
-    import json
     from pathlib import Path
 
     from vllm import SamplingParams
@@ -92,11 +91,8 @@ def _generate_on_every_engine(root: str) -> dict:
 
     hf_model = hf_models.hf_model(M2, **FIELDS)
     hf_dir = Path(root) / "hf"
-    hf_model.save_pretrained(hf_dir)
+    hf_models.save_with_released_fields(hf_model, hf_dir)
     config = hf_names.config_from_hf(hf_model.config)
-    # The released configs' routing fields, which transformers drops and vLLM reads.
-    config_json = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps({**config_json, **hf_names.config_to_hf(config)}))
     transformers_tokens, transformers_logprobs = _transformers_greedy(hf_model)
     probe = _transformers_logprobs(hf_model)
 
