@@ -59,7 +59,11 @@ printed to stderr as it finishes (and appended to --rows-file), and the table to
    multi-GPU block: rl's first step at TP = 2 + EP = 2 (4 processes and expert TP 2 on 4 GPUs, 2
    and expert TP 1 on 2 or 3), and the RL steps with placement.rollout_ranks = 1 (a training
    process and a rollout process that gets the weights by a sync after every update; its gap no
-   larger than rl's); the checkpoint RL saved, --resume from it for one more step, and
+   larger than rl's); RL steps of a random tiny M2 with rollout.engine = vllm, where vLLM is installed
+   (the lent image has none: the row says so): vLLM in the training process, started from the config
+   alone and given the weights by a sync at the start and after each step, every sync checked by the
+   run against the trainer's log-probs of a probe and timed, vLLM's sampled log-probs within bf16's gap
+   of the trainer's; the checkpoint RL saved, --resume from it for one more step, and
    megacispo.score on the result. One row per stage (check "driver"), its bound what the stage
    requires of its run; a failed stage fails its row and the stages that need it, not the check.
 
@@ -1476,6 +1480,36 @@ def rollout_ranks_result(values: dict[str, dict[int, float]], rl_gaps: dict[int,
             f"gap <= 2 x rl's {per_step(rl_gaps, '.3g')} + {absolute:g}")
 
 
+# The tiny M2 of the vllm stage: 32-wide heads (vLLM's CPU attention, the twin's, has no kernel for 16).
+VLLM_M2 = ("model.size=tiny-m2", "model.head_dim=32", "model.rotary_dim=16")
+
+
+def vllm_stage(run: DriverRun) -> str:
+    """RL steps of a random tiny M2 (no SFT: it is M1's) with rollout.engine = vllm, vLLM in the training
+    process: started from the config alone, given the weights by a sync at the start and after every step,
+    each sync checked by the run (it stops when the probe's log-probs differ beyond the tolerance) and
+    timed; vLLM's sampled log-probs within bf16's gap of the training engine's old log-probs."""
+    from megacispo.rollout.vllm_engine import vllm_version
+
+    try:
+        version = vllm_version()
+    except ValueError as error:
+        raise StageSkipped(str(error)) from None
+    run_dir = run.run_dir / "vllm"
+    run.launch("vllm", "megacispo.train", *steps_as_rl(run, RL_STEPS, *VLLM_M2, "rollout.engine=vllm", 'train.load=""',
+                                                       run_dir=run_dir))
+    steps = list(range(1, RL_STEPS + 1))
+    keys = (*STEP_KEYS, "perf/weight_sync_s", "rollout/vllm_probe_max_abs_diff")
+    values = {key: by_step(run_dir, key) for key in keys}
+    result = steps_within({key: values[key] for key in STEP_KEYS}, steps, BF16_ROLLOUT_GAP)
+    require_finite(values["perf/weight_sync_s"], "weight sync seconds", steps)
+    require_finite(values["rollout/vllm_probe_max_abs_diff"], "probe log-prob difference", steps)
+    rollout_s = per_step(by_step(run_dir, "perf/time_rollout_s"), ".2f")
+    return (f"vLLM {version}, tiny M2: {result} (gap <= {BF16_ROLLOUT_GAP:g}); weight sync "
+            f"{per_step(values['perf/weight_sync_s'], '.2f')} s, probe |diff| "
+            f"{per_step(values['rollout/vllm_probe_max_abs_diff'], '.2g')}; rollout {rollout_s} s")
+
+
 def save_stage(run: DriverRun) -> str:
     """The checkpoint the RL run saved at its end: complete, of its last step, its optimizer and dtype."""
     from megacispo.checkpoint.distributed import complete_checkpoints, read_meta
@@ -1543,6 +1577,7 @@ DRIVER_STAGES: tuple[Stage, ...] = (
                                   f"{FP8_LOSS_BOUND:g}"),
     Stage("tp2-ep2", tp_ep_stage, "rl", SAME_AS_RL),
     Stage("rollout-ranks", rollout_ranks_stage, "rl", "a weight sync each step; gap <= 2 x rl's + tolerance"),
+    Stage("vllm", vllm_stage, None, f"a checked weight sync each step; gap <= {BF16_ROLLOUT_GAP:g}"),
     Stage("save", save_stage, "rl", "a complete checkpoint of the last step, optimizer included, in the run's dtype"),
     Stage("resume", resume_stage, "save", "resumes after the checkpoint's step and saves the next"),
     Stage("score", score_stage, "save", "a finite log-prob <= 0 per next token"),

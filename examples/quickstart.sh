@@ -5,14 +5,17 @@
 #   NPROC [2]  processes;  RUN_DIR [runs/quickstart]  must match the config's paths;
 #   EXTRA      more --set overrides for both stages, e.g. EXTRA="--set train.seed=1";
 #   FAMILY [minimax-m1]  minimax-m2: the tiny MiniMax-M2, made by transformers, in runs/quickstart_m2
+#   ENGINE [megacispo]   vllm (FAMILY=minimax-m2): RL's rollouts and evaluations on vLLM's CPU build, in
+#                        .venv-vllm (rollout.engine=vllm), the tiny M2 with 32-wide heads (vLLM's CPU attention
+#                        has no kernel for tiny-m2's 16)
 # Every run starts over: the last run's checkpoints and TensorBoard logs under RUN_DIR go first, so RL
 # never loads another run's (newer-stepped) SFT checkpoint and TensorBoard shows this run alone.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$repo/tools/setup_env.sh"
 cd "$repo"
 NPROC="${NPROC:-2}"
 FAMILY="${FAMILY:-minimax-m1}"
+ENGINE="${ENGINE:-megacispo}"
 case "$FAMILY" in
     minimax-m1) RUN_DIR="${RUN_DIR:-runs/quickstart}"; CONFIG=examples/configs/quickstart_cpu.yaml; RL_MODEL="" ;;
     # SFT takes the model from the HF directory's config.json; RL loads SFT's checkpoint of that shape.
@@ -20,7 +23,21 @@ case "$FAMILY" in
                 RL_MODEL="--set model.size=tiny-m2" ;;
     *) echo "error: FAMILY=$FAMILY: use minimax-m1 or minimax-m2" >&2; exit 2 ;;
 esac
-py=.venv/bin/python
+venv=.venv
+HF_HEADS=""
+case "$ENGINE" in
+    megacispo) bash tools/setup_env.sh ;;
+    vllm) if [ "$FAMILY" != minimax-m2 ]; then
+              echo "error: ENGINE=vllm with FAMILY=$FAMILY: vLLM serves MiniMax-M2 only; set FAMILY=minimax-m2" >&2
+              exit 2
+          fi
+          bash tools/setup_env.sh --vllm
+          venv=.venv-vllm
+          HF_HEADS="--head-dim 32"
+          RL_MODEL="$RL_MODEL --set model.head_dim=32 --set model.rotary_dim=16 --set rollout.engine=vllm" ;;
+    *) echo "error: ENGINE=$ENGINE: use megacispo or vllm" >&2; exit 2 ;;
+esac
+py=$venv/bin/python
 export PYTHONWARNINGS="ignore"
 export OMP_NUM_THREADS=1
 
@@ -32,15 +49,15 @@ $py tools/train_tokenizer.py --input "$RUN_DIR/data/corpus.txt" --vocab-size 512
 if [ "$FAMILY" = minimax-m2 ]; then
     rm -rf "$RUN_DIR/hf"
     echo "== a random tiny MiniMax-M2 made by transformers"
-    $py tools/make_tiny_hf.py model --family minimax-m2 --vocab-size 512 --out "$RUN_DIR/hf"
+    $py tools/make_tiny_hf.py model --family minimax-m2 --vocab-size 512 --out "$RUN_DIR/hf" $HF_HEADS
 fi
 
 echo "== SFT warm start (torchrun, $NPROC processes)"
-.venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m megacispo.sft --config "$CONFIG" ${EXTRA:-}
+$venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m megacispo.sft --config "$CONFIG" ${EXTRA:-}
 
 echo "== CISPO RL (torchrun, $NPROC processes)"
-.venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m megacispo.train --config "$CONFIG" $RL_MODEL ${EXTRA:-}
+$venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m megacispo.train --config "$CONFIG" $RL_MODEL ${EXTRA:-}
 
 echo
 echo "TensorBoard logs: $RUN_DIR/tensorboard (SFT: $RUN_DIR/sft/tensorboard); checkpoints: $RUN_DIR/checkpoints"
-echo "Open them with:  .venv/bin/tensorboard --logdir $RUN_DIR"
+echo "Open them with:  $venv/bin/tensorboard --logdir $RUN_DIR"

@@ -26,13 +26,15 @@ from megacispo.envs.base import get_environment_factory, make_environment
 from megacispo.envs.turns import build_renderer
 from megacispo.fields import check_choice
 from megacispo.metrics.logger import check_logging
-from megacispo.models.config import check_precision_and_recompute, model_shape, parameter_counts
+from megacispo.models.config import M2, check_precision_and_recompute, model_shape, parameter_counts
 from megacispo.models.routing import route_dtype
 from megacispo.models.te_specs import INSTALL_HINT, require_transformer_engine, transformer_engine_installed
 from megacispo.parallel.layout import CONTEXT_PARALLEL_COMMS, validate_layout, world_size_from_env
 from megacispo.rl import adaptive_clip
 from megacispo.rl.losses import policy_loss_names, validate_policy_loss_params
+from megacispo.rollout.config import VLLM
 from megacispo.rollout.generate import GIB, rollout_cache_bytes
+from megacispo.rollout.vllm_engine import vllm_version
 
 
 def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:
@@ -276,6 +278,7 @@ def check_config(config: Config) -> Config:
     adaptive_clip.check_bounds(rl.adaptive_clip, rl.loss, params)
     _check_environment(config)
     _check_placement(config)
+    _check_rollout_engine(config)
     _check_context_parallel(config)
     _check_lengths(config)
     _check_compile_decode(config)
@@ -345,6 +348,44 @@ def _check_placement(config: Config) -> None:
             "rollout processes record every layer's routes, a pipeline stage replays only its own; set "
             "rl.routing_replay = false or placement.rollout_ranks = 0"
         )
+
+
+def _check_rollout_engine(config: Config) -> None:
+    """What rollout.engine = vllm needs: a family vLLM serves, vLLM installed at a supported version, and no
+    option that only megacispo's engine honours (vLLM would ignore it, or its log-probs would mean another
+    thing than the trainer's)."""
+    rollout = config.rollout
+    if rollout.engine != VLLM:
+        return
+    field = "rollout.engine = vllm"
+    if config.model.family != M2:
+        raise ValueError(f"{field} with model.family = {config.model.family}: vLLM does not serve MiniMax-M1 (it "
+                         "removed MiniMaxText01 after 0.23); set rollout.engine=megacispo")
+    refused = {
+        "placement.rollout_ranks": (config.placement.rollout_ranks, "vLLM runs in every training process"),
+        "rl.routing_replay": (config.rl.routing_replay, "vLLM does not return the experts it routed each token to "
+                                                        "on its CPU build, which megacispo's tests run"),
+        "rollout.early_truncation_tokens": (rollout.early_truncation_tokens, "vLLM has no early truncation"),
+        "rollout.top_k": (rollout.top_k, "vLLM's log-probs of a top-k draw are of the truncated distribution, the "
+                                         "trainer's of the tempered one"),
+        "rollout.top_p": (rollout.top_p < 1 and rollout.top_p, "vLLM's log-probs of a top-p draw are of the "
+                                                               "truncated distribution, the trainer's of the tempered "
+                                                               "one"),
+        "rollout.compile_decode": (rollout.compile_decode, "it compiles megacispo's decode step; vLLM compiles its "
+                                                           "own (CUDA graphs on GPUs)"),
+        "rollout.max_cache_gib": (rollout.max_cache_gib, "it caps megacispo's cache; vLLM's is "
+                                                         "rollout.vllm_cache_gib"),
+        "rollout.host_check_every": (rollout.host_check_every, "it paces megacispo's decode loop, not vLLM's"),
+    }
+    for name, (value, why) in refused.items():
+        if value:
+            default = "1.0" if name == "rollout.top_p" else "0" if not isinstance(value, bool) else "false"
+            raise ValueError(f"{field} with {name} = {value}: {why}; set {name}={default} or "
+                             "rollout.engine=megacispo")
+    try:
+        vllm_version()
+    except ValueError as error:
+        raise ValueError(f"{field}: {error}") from None
 
 
 def training_world_size(config: Config, world_size: int) -> int:

@@ -317,3 +317,10 @@ def config_to_hf(config: HybridModelConfig) -> dict[str, Any]:
         "block_size": config.lightning_block_size,
         **{name: getattr(config, name) for name in RESIDUAL_FACTORS},
     }
+
+
+def config_file(config: HybridModelConfig, dtype: str) -> dict[str, Any]:
+    """The config.json of a Hugging Face directory of ``config``'s model, its weights in ``dtype`` (a
+    safetensors dtype name, e.g. "float32")."""
+    return {"architectures": [HF_ARCHITECTURES[config.family]], "model_type": HF_MODEL_TYPES[config.family],
+            "dtype": dtype, **config_to_hf(config)}

@@ -122,11 +122,13 @@ def build_model(
     return Path(out_dir)
 
 
-def build_m2_model(out_dir: str | os.PathLike, vocab_size: int, seed: int = 0) -> Path:
+def build_m2_model(out_dir: str | os.PathLike, vocab_size: int, seed: int = 0, head_dim: int | None = None) -> Path:
     """Save a randomly initialised ``transformers.MiniMaxM2ForCausalLM`` of megacispo's tiny-m2 shape
-    (with ``vocab_size`` embedding rows) to ``out_dir``."""
-    config = MiniMaxM2Config(**config_to_hf(model_config("tiny-m2", vocab_size=vocab_size)), bos_token_id=None,
-                             eos_token_id=None)
+    (with ``vocab_size`` embedding rows; ``head_dim``, with RoPE on half of it, in place of tiny-m2's) to
+    ``out_dir``."""
+    heads = {} if head_dim is None else {"head_dim": head_dim, "rotary_dim": head_dim // 2}
+    config = MiniMaxM2Config(**config_to_hf(model_config("tiny-m2", vocab_size=vocab_size, **heads)),
+                             bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
     atomic_save_pretrained(MiniMaxM2ForCausalLM(config).eval(), out_dir)
     return Path(out_dir)
@@ -160,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-test", type=int, default=16, help="data: problems in test.parquet")
     parser.add_argument("--family", choices=FAMILIES, default=M1,
                         help="model: the MiniMax family (default %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="model, minimax-m2: the attention heads' width, RoPE on half of it (default tiny-m2's 16; "
+                             "vLLM's CPU attention needs 32 or more)")
     return parser.parse_args(argv)
 
 
@@ -173,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.vocab_size:
             print("error: model needs --vocab-size (at least the tokenizer's vocabulary)", file=sys.stderr)
             return 2
-        (build_m2_model if args.family == M2 else build_model)(out, args.vocab_size, seed=args.seed)
+        if args.family == M2:
+            build_m2_model(out, args.vocab_size, seed=args.seed, head_dim=args.head_dim)
+        else:
+            build_model(out, args.vocab_size, seed=args.seed)
     else:
         problems = math_problems(args.num_train + args.num_test, args.seed)
         write_math_parquet(out / "train.parquet", problems[: args.num_train], split="train")

@@ -249,10 +249,4 @@ def write_hf_files(
     writer.close()
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(writer.weight_map().items()))}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    hf_config = {
-        "architectures": [hf_names.HF_ARCHITECTURES[config.family]],
-        "model_type": hf_names.HF_MODEL_TYPES[config.family],
-        "dtype": params_dtype_of(meta),
-        **hf_names.config_to_hf(config),
-    }
-    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_names.config_file(config, params_dtype_of(meta)), indent=2))

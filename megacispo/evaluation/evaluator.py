@@ -30,11 +30,10 @@ from megacispo.data.prompts import PromptRecord
 from megacispo.data.tokenizer import Tokenizer
 from megacispo.evaluation.config import EvalConfig
 from megacispo.evaluation.pass_at_k import pass_at_k, pass_at_k_values
-from megacispo.models.model import HybridModel
 from megacispo.parallel.layout import run_device
 from megacispo.rollout.config import RolloutConfig
 from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
-from megacispo.rollout.generate import sample_keys
+from megacispo.rollout.generate import Generator, sample_keys
 
 # The per-prompt counts every rank fills for its prompts and the ranks sum: one row per test prompt.
 GREEDY_CORRECT, GREEDY_LENGTH, SAMPLED_CORRECT, SAMPLED_LENGTH = range(4)
@@ -64,18 +63,19 @@ def eval_metrics(counts: Sequence[Sequence[float]], eval_config: EvalConfig) -> 
 
 
 class Evaluator:
-    """Greedy and sampled evaluation of ``model`` on ``records`` (the test prompts); call on every rank
-    of the model's layout, each with the same records. ``dp_group``: the data-parallel group, over
-    which the prompts are split and the ranks decode in lockstep. ``settings``: the eval section;
+    """Greedy and sampled evaluation of a policy on ``records`` (the test prompts), its samples from
+    ``generator`` (megacispo.rollout.generate.Generator); call on every rank of the model's layout, each
+    with the same records. ``dp_group``: the data-parallel group, over which the prompts are split and
+    the ranks decode in lockstep. ``settings``: the eval section;
     ``rollout``: the generation settings it samples with; ``seed``: train.seed; ``scoring``: the reward
     and its limits; ``environments``: env.name's (None: single-turn); ``interrupt``: called on every
     rank at the same points, raises to stop (None: never stops)."""
 
-    def __init__(self, model: HybridModel, tokenizer: Tokenizer, records: Sequence[PromptRecord],
+    def __init__(self, generator: Generator, tokenizer: Tokenizer, records: Sequence[PromptRecord],
                  dp_group: dist.ProcessGroup, *, settings: EvalConfig, rollout: RolloutConfig, seed: int,
                  scoring: Scoring, environments: Environments | None = None,
                  interrupt: Callable[[], None] | None = None):
-        self.model = model
+        self.generator = generator
         self.tokenizer = tokenizer
         self.records = list(records)
         self.dp_group = dp_group
@@ -117,7 +117,7 @@ class Evaluator:
         decoded = self.indices or [0]
         records = [self.records[index] for index in decoded for _ in range(num_samples)]
         keys = sample_keys((self.seed, EVAL_STREAM), decoded, num_samples, device=self.device)
-        samples, scores, _ = sample_and_score(self.model, records, sampling, tokenizer=self.tokenizer, keys=keys,
+        samples, scores, _ = sample_and_score(self.generator, records, sampling, tokenizer=self.tokenizer, keys=keys,
                                               scoring=self.scoring, environments=self.environments,
                                               lockstep_group=self.dp_group, interrupt=self.interrupt)
         if not self.indices:

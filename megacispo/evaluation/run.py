@@ -3,6 +3,8 @@ its weights, evaluated on every rank, the metrics printed and logged."""
 
 from __future__ import annotations
 
+import functools
+
 from megatron.core import parallel_state
 
 from megacispo.checkpoint.distributed import CheckpointError, load_checkpoint
@@ -15,6 +17,7 @@ from megacispo.evaluation.source import WeightsSource, eval_log_dir
 from megacispo.metrics.logger import MetricsLogger, is_logging_rank
 from megacispo.parallel.layout import destroy_distributed, init_distributed
 from megacispo.rollout.episodes import Environments, Scoring
+from megacispo.rollout.generate import generate
 from megacispo.startup import bad_input_exits
 from megacispo.training.engine import build_inference_model
 
@@ -42,7 +45,7 @@ def evaluate(config: Config, model, tokenizer, records) -> dict[str, float]:
     scoring = Scoring.from_config(config.rl)
     # Over DP x CP: decoding never splits a sequence, so each CP rank takes test prompts of its own.
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return Evaluator(model, tokenizer, records, dp_cp, settings=config.eval,
+    return Evaluator(functools.partial(generate, model), tokenizer, records, dp_cp, settings=config.eval,
                      rollout=config.rollout, seed=config.train.seed, scoring=scoring,
                      environments=Environments.build(config.env, tokenizer, config.data.chat_template,
                                                      config.max_prompt_tokens)).run()

@@ -19,7 +19,9 @@ from megacispo.rl.metric_hooks import MetricHook
 from megacispo.rl.start import RunStart, checkpoint_root
 from megacispo.rl.trainer import NOTHING_TRAINED, Trainer
 from megacispo.rollout.placement import Side, start_placement
+from megacispo.rollout.config import VLLM
 from megacispo.rollout.remote import RemoteRollouts, run_rollout_process
+from megacispo.rollout.vllm_engine import WeightSyncError
 from megacispo.startup import bad_input_exits, is_rank_zero
 from megacispo.training.engine import Engine
 
@@ -53,12 +55,14 @@ def _train(config: Config, start: RunStart, side: Side | None, tokenizer: Tokeni
     remote = None if side is None else RemoteRollouts(config, side, train_records, tokenizer.pad_id, engine.device)
     trainer = Trainer(config, engine, tokenizer, train_records, test_records, logger, prompt_metrics, remote,
                       metric_hooks)
-    with bad_input_exits(CheckpointError):  # raised on every rank alike
+    with bad_input_exits((CheckpointError, WeightSyncError)):  # raised on every rank alike
         trainer.start(start)
+        if config.rollout.engine == VLLM:
+            trainer.start_vllm()
     if remote is not None:
         remote.start(engine.module, trainer.step, trainer.sampler.state_dict())
     # Raised on every rank at the same step (a failed save: torch DCP gathers the ranks' failures).
-    with bad_input_exits((RewardFailureError, CheckpointError)):
+    with bad_input_exits((RewardFailureError, CheckpointError, WeightSyncError)):
         accuracy = trainer.fit()
     if remote is not None:
         remote.close()

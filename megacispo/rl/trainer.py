@@ -16,6 +16,7 @@ Before the first step of a fresh run completes nothing is saved: nothing was tra
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,14 +35,14 @@ from megacispo.checkpoint.distributed import (
 )
 from megacispo.checkpoint.hf import load_start_weights
 from megacispo.config import Config, to_dict
-from megacispo.data.padding import pad_right
-from megacispo.data.prompts import PromptRecord, PromptSampler
+from megacispo.data.padding import pad_right, right_padding_mask
+from megacispo.data.prompts import PromptRecord, PromptSampler, prompt_token_ids
 from megacispo.data.rewards import RewardFailureError, RewardScores
 from megacispo.data.tokenizer import Tokenizer
 from megacispo.envs.turns import sum_metrics
 from megacispo.evaluation.evaluator import Evaluator
 from megacispo.metrics.logger import MetricsLogger, Timer, moe_load_balance, pearson_correlation
-from megacispo.models.routing import RoutingTargets, disagreement_metrics
+from megacispo.models.routing import RoutingTargets, disagreement_metrics, route_dtype
 from megacispo.parallel.layout import broadcast_from_last_stage
 from megacispo.rl import adaptive_clip
 from megacispo.rl.advantages import dynamic_sampling_keep_mask, group_relative_advantages, overlong_penalty
@@ -50,8 +51,9 @@ from megacispo.rl.metric_hooks import MetricHook, UpdateMicroBatch
 from megacispo.rl.rollout_correction import correct_rollout, max_abs_logprob_diff, mismatch_metrics, mismatch_sums
 from megacispo.rl.start import RunStart, checkpoint_root
 from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
-from megacispo.rollout.generate import Samples, sample_keys
+from megacispo.rollout.generate import Generator, Samples, generate, sample_keys
 from megacispo.rollout.remote import RemoteRollouts, concat_samples
+from megacispo.rollout.vllm_engine import PROBE_NEW_TOKENS, PROBE_SEQUENCES, VllmRollouts, probe_sequences
 from megacispo.training.balance import Balance, exchange_rows, token_spread
 from megacispo.training.engine import Engine
 from megacispo.training.packing import PackedRow
@@ -240,6 +242,28 @@ class Trainer:
         # rl.adaptive_clip: the loss's clip bounds, moved after every optimizer step; None: fixed.
         self.adaptive_clip = adaptive_clip.from_config(config.rl.adaptive_clip, config.rl.loss)
         self.metric_hooks = list(metric_hooks)
+        self.train_records = train_records
+        # rollout.engine = vllm: vLLM in this process (``start_vllm``); None: megacispo's engine generates.
+        self.vllm: VllmRollouts | None = None
+
+    @property
+    def generator(self) -> Generator:
+        """What generates this rank's rollouts and evaluations: vLLM (rollout.engine = vllm) or megacispo's engine."""
+        return functools.partial(generate, self.engine.module) if self.vllm is None else self.vllm.generate
+
+    def start_vllm(self) -> None:
+        """rollout.engine = vllm, after ``start``: vLLM started in this process and given the weights the run
+        starts from (checked: WeightSyncError on every rank when they are not the trainer's)."""
+        config = self.config
+        prompts = [prompt_token_ids(self.tokenizer, record) for record in self.train_records[:PROBE_SEQUENCES]]
+        new_tokens = min(PROBE_NEW_TOKENS, config.rollout.max_new_tokens)
+        probe = probe_sequences(prompts, self.tokenizer.vocab_size, new_tokens, config.train.seed)
+        self.vllm = VllmRollouts.start(config.model, config.rollout, probe=probe, seed=config.train.seed,
+                                       max_model_len=config.max_prompt_tokens + config.rollout.max_new_tokens)
+        metrics = self._sync_vllm(self.step)
+        self._say(f"rollout.engine = vllm: started, weights of step {self.step} sent in "
+                  f"{metrics['perf/weight_sync_s']:.2f} s (probe log-probs within "
+                  f"{metrics['rollout/vllm_probe_max_abs_diff']:.2g} of the trainer's)")
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -285,6 +309,8 @@ class Trainer:
         with self._abandonable():
             with timer("rollout"):
                 batch, rollout_metrics = self.collect_rollouts()
+            if self.vllm is not None:
+                self.vllm.release_memory()
             with timer("old_logprobs"):
                 batch.old_logprobs = self.compute_old_logprobs(batch)
             self._abandon_if_stopped()
@@ -295,6 +321,8 @@ class Trainer:
         if self.remote_rollouts is not None:
             self.remote_rollouts.publish(self.engine.module, self.step + 1)
             update_metrics.update(self.remote_rollouts.finish_step())
+        if self.vllm is not None:
+            update_metrics.update(self._sync_vllm(self.step + 1))
         timings = timer.metrics()
         num_tokens = self._all_reduce(float(batch.loss_mask.sum()))
         timings["perf/tokens_per_s"] = num_tokens / sum(timings.values())
@@ -357,7 +385,7 @@ class Trainer:
         records = records[mine]
         repeated = [r for r in records for _ in range(rollout.group_size)]
         samples, scores, env_metrics = sample_and_score(
-            self.engine.module, repeated, rollout, tokenizer=self.tokenizer,
+            self.generator, repeated, rollout, tokenizer=self.tokenizer,
             keys=self._sample_keys(share * cp.size())[group_rows], scoring=self.scoring,
             environments=self.environments, lockstep_group=self.engine.groups.dp_cp, progress=self.rollout_progress,
             interrupt=self._abandon_if_stopped,
@@ -512,7 +540,8 @@ class Trainer:
         response = mask.bool()
         rollout_probs, train_probs = self._gather_over_dp(rollout[response].exp(), old[response].exp())
         metrics["mismatch/train_rollout_prob_corr"] = pearson_correlation(rollout_probs, train_probs)
-        metrics.update(self._router_gap(batch))
+        if self.vllm is None:  # vLLM records no experts to compare with
+            metrics.update(self._router_gap(batch))
         batch.loss_mask, batch.token_weights = correction.loss_mask, correction.token_weights
         return metrics
 
@@ -584,14 +613,18 @@ class Trainer:
             dist.all_reduce(out, group=cp)
         return out
 
-    @torch.no_grad()
     def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if self.config.rl.old_logprobs == "rollout":
             return batch.rollout_logprobs.clone()
-        temperature = self.config.rollout.temperature
+        # The rollout's experts are compared with the training routers' where it recorded them (not vLLM).
+        return self._logprobs(batch, self.config.rollout.temperature, compare_routes=self.vllm is None)
+
+    @torch.no_grad()
+    def _logprobs(self, batch: TrainBatch, temperature: float, *, compare_routes: bool) -> torch.Tensor:
+        """[n, S - 1] the training engine's log-probs of ``batch``'s tokens at ``temperature`` (on every rank)."""
 
         def forward_step(micro: TrainBatch, model):
-            hidden = self._forward(model, micro, compare_routes=True)
+            hidden = self._forward(model, micro, compare_routes=compare_routes)
             return hidden, lambda output: (
                 output.sum() * 0,
                 {"logprobs": self.engine.token_logprobs(output, micro.predicted, micro.loss_mask, temperature)[0]})
@@ -606,6 +639,27 @@ class Trainer:
             logprobs = torch.empty_like(batch.rollout_logprobs)
         # Every stage holds the rollouts and their bookkeeping; only the last computes log-probs.
         return broadcast_from_last_stage(logprobs, self.pp_group)
+
+    def _sync_vllm(self, version: int) -> dict[str, float]:
+        """The weights of step ``version`` into vLLM, checked against this engine's log-probs of the probe."""
+        probe = self.vllm.probe
+        lengths = torch.tensor([len(sequence) for sequence in probe], device=self.engine.device)
+        width = self.engine.padded_length(int(max(len(sequence) for sequence in probe)))
+        tokens = torch.full((len(probe), width), self.tokenizer.pad_id, device=self.engine.device)
+        for row, sequence in enumerate(probe):
+            tokens[row, :len(sequence)] = torch.tensor(sequence)
+        padding_mask = right_padding_mask(lengths, width)
+        model = self.config.model
+        batch = TrainBatch(tokens=tokens, loss_mask=(~padding_mask[:, 1:]).float(),
+                           advantages=torch.zeros(len(probe), device=self.engine.device),
+                           rollout_logprobs=torch.zeros(len(probe), width - 1, device=self.engine.device),
+                           padding_mask=padding_mask,
+                           routes=torch.zeros(len(probe), width, 0, model.moe_router_topk,
+                                              dtype=route_dtype(model.num_experts), device=self.engine.device))
+        # vLLM's probe log-probs are of the model's own distribution: temperature 1.
+        logprobs = self._logprobs(batch, 1.0, compare_routes=False)
+        expected = [logprobs[row, :len(sequence) - 1] for row, sequence in enumerate(probe)]
+        return self.vllm.sync(self.engine.module, version, expected)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """K optimizer steps, each on 1/K of the rollout batch (M1's off-policy updates)."""
@@ -691,7 +745,7 @@ class Trainer:
         mean@k; empty without data.test_prompts."""
         config = self.config
         # Over DP x CP: decoding never splits a sequence, so each CP rank takes test prompts of its own.
-        return Evaluator(self.engine.module, self.tokenizer, self.test_records, self.engine.groups.dp_cp,
+        return Evaluator(self.generator, self.tokenizer, self.test_records, self.engine.groups.dp_cp,
                          settings=config.eval, rollout=config.rollout, seed=config.train.seed, scoring=self.scoring,
                          environments=self.environments, interrupt=self._abandon_if_stopped).run()
 

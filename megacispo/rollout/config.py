@@ -10,6 +10,10 @@ from megacispo.fields import AT_LEAST_1, FRACTION, POSITIVE, Range, check_choice
 
 # rollout.dtype's choices: the precisions a rollout can generate in, or auto (by device).
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
+# rollout.engine's choices: megacispo's own engine (megacispo.rollout.generate), or vLLM in every training
+# process (megacispo.rollout.vllm_engine; the families vLLM serves).
+MEGACISPO, VLLM = "megacispo", "vllm"
+ROLLOUT_ENGINES = (MEGACISPO, VLLM)
 
 
 @dataclass(kw_only=True)
@@ -48,10 +52,17 @@ class RolloutConfig:
     """Precision of generation: auto (bfloat16 on GPUs, float32 on a CPU), float32 or bfloat16 (the LM head follows model.fp32_lm_head)."""
     max_staleness: int = ranged(0, Range(0, note="0: synchronous"))
     """Steps a rollout's weights may lag the step it trains (needs placement.rollout_ranks; 0: on-policy, 1: one step behind)."""
+    engine: str = MEGACISPO
+    """What generates: megacispo (its own engine) or vllm (vLLM in every training process; MiniMax-M2 only)."""
+    vllm_cache_gib: float = ranged(1.0, POSITIVE)
+    """engine=vllm: vLLM's paged K/V cache per process, GiB (taken beside training's memory)."""
+    vllm_sync_tolerance: float = ranged(0.0, Range(0, note="0: auto"))
+    """engine=vllm: the largest |log-prob difference| of the probe after a weight sync (0: auto, 1e-3 in float32, 0.1 in bfloat16)."""
 
     def check(self) -> None:
         check_ranges(self, "rollout")
         check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+        check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
 
     def steps_between_looks(self, on_gpu: bool) -> int:
         """rollout.host_check_every for a rollout on a GPU or not. auto is 4 on a GPU, where a look waits
@@ -69,6 +80,14 @@ class RolloutConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if on_gpu else torch.float32
         return getattr(torch, self.dtype)
+
+    def sync_tolerance(self, on_gpu: bool) -> float:
+        """rollout.vllm_sync_tolerance for a rollout on a GPU or not: auto is 1e-3 when both engines compute in
+        float32 (they agree to about 1e-5), 0.1 in bfloat16 (rounding moves a log-prob by a few hundredths;
+        a tensor not sent or loaded into the wrong place moves some by far more: 0.9 measured)."""
+        if self.vllm_sync_tolerance:
+            return self.vllm_sync_tolerance
+        return 1e-3 if self.torch_dtype(on_gpu) == torch.float32 else 0.1
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ from megacispo.envs.config import EnvConfig
 from megacispo.envs.turns import Conversations, EnvWorkers, build_renderer, combine_rewards
 from megacispo.rl.config import RLConfig
 from megacispo.rollout.config import RolloutConfig
-from megacispo.rollout.generate import Samples, generate, response_token_ids
+from megacispo.rollout.generate import Generator, Samples, response_token_ids
 
 
 @dataclass
@@ -76,13 +76,15 @@ def response_text(tokenizer: Tokenizer, samples: Samples, row: int) -> str:
 
 
 def sample_and_score(
-    model, records: Sequence[PromptRecord], rollout: RolloutConfig, *, tokenizer: Tokenizer, keys: torch.Tensor,
-    scoring: Scoring, environments: Environments | None, lockstep_group: dist.ProcessGroup | None,
-    progress: tqdm | None = None, interrupt: Callable[[], None] | None = None,
+    generator: Generator, records: Sequence[PromptRecord], rollout: RolloutConfig, *, tokenizer: Tokenizer,
+    keys: torch.Tensor, scoring: Scoring, environments: Environments | None,
+    lockstep_group: dist.ProcessGroup | None, progress: tqdm | None = None,
+    interrupt: Callable[[], None] | None = None,
 ) -> tuple[Samples, RewardScores, list[dict[str, float]]]:
-    """One sample of each of ``records`` (repeat a record for a group), its reward and (multi-turn) its
-    conversation's env/* counts (an empty list single-turn). ``interrupt`` is called before every decode step and
-    after the scoring, on every rank alike (``generate``); what it raises stops the rollout."""
+    """One sample of each of ``records`` (repeat a record for a group) from ``generator``, its reward and
+    (multi-turn) its conversation's env/* counts (an empty list single-turn). ``interrupt`` is called as the
+    generator says (megacispo's engine: before every decode step) and after the scoring, on every rank alike;
+    what it raises stops the rollout."""
     conversations = None
     if environments is None:
         prompts = [prompt_token_ids(tokenizer, record) for record in records]
@@ -92,7 +94,7 @@ def sample_and_score(
                                       environments.workers, environments.max_prompt_tokens)
         prompts = conversations.prompts(lambda record: prompt_token_ids(tokenizer, record))
         stop_ids = sorted(environments.renderer.turn_stop_ids)
-    samples = generate(model, prompts, rollout, stop_ids=stop_ids, pad_id=tokenizer.pad_id, keys=keys,
+    samples = generator(prompts, rollout, stop_ids=stop_ids, pad_id=tokenizer.pad_id, keys=keys,
                        lockstep_group=lockstep_group, progress=progress, interrupt=interrupt,
                        conversations=conversations)
     try:

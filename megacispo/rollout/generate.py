@@ -106,6 +106,12 @@ class Samples:
         return right_padding_mask(self.prompt_lengths + self.response_lengths, width)
 
 
+Generator = Callable[..., Samples]
+"""What generates a rollout's samples: ``generate`` bound to a model (megacispo's engine:
+``functools.partial(generate, model)``) or vLLM's (megacispo.rollout.vllm_engine.VllmRollouts.generate); the
+arguments of ``generate`` after the model."""
+
+
 # ------------------------------------------------------------------------------------------------
 # Per-sample random streams
 

@@ -35,6 +35,7 @@ rl.old_logprobs = rollout, the IS weight measures pi_theta against the generatin
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from megacispo.data.prompts import PromptRecord, PromptSampler
 from megacispo.data.rewards import RewardScores
 from megacispo.parallel.layout import ParallelConfig, destroy_distributed, init_distributed
 from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
-from megacispo.rollout.generate import Samples, sample_keys
+from megacispo.rollout.generate import Samples, generate, sample_keys
 from megacispo.rollout.placement import Bridge, RolloutProcessLost, Side
 from megacispo.rollout.weight_sync import WeightsHeader, publish_weights, receive_weights
 from megacispo.training.engine import build_inference_model
@@ -123,7 +124,8 @@ def _generate_share(config: Config, tokenizer, model, scoring: Scoring, environm
     first = (bridge.rank - 1) * share
     repeated = [record for record in request.records[first:first + share] for _ in range(group_size)]
     samples, scores, env_metrics = sample_and_score(
-        model, repeated, config.rollout, tokenizer=tokenizer, scoring=scoring, environments=environments,
+        functools.partial(generate, model), repeated, config.rollout, tokenizer=tokenizer, scoring=scoring,
+        environments=environments,
         keys=sample_keys(request.stream, range(first, first + share), group_size, device=bridge.device),
         lockstep_group=None)
     return RoundShare(version, samples.to("cpu"), scores, env_metrics)

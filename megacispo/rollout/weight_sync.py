@@ -12,7 +12,7 @@ Each rollout process copies every bucket into its replica. Supported: any traini
 supports, the rollout side at TP = PP = EP = 1.
 
 ``weight_buckets`` and ``full_tensors`` give the same buckets, and the full tensors they hold, to another
-consumer on training rank 0 (megacispo.rollout.vllm_engine: vLLM in that process).
+consumer: vLLM in every training process (megacispo.rollout.vllm_engine), the buckets all-reduced.
 
 Memory during a sync: on each training rank, a copy of its pieces and one bucket; on training rank 0,
 the buckets it has broadcast until the rollout processes receive them (after the round they are
@@ -83,11 +83,12 @@ class _Block:
     sizes: tuple[int, ...]
 
 
-def weight_buckets(module: torch.nn.Module, version: int,
-                   bucket_bytes: int = BUCKET_BYTES) -> tuple[WeightsHeader, Iterator[torch.Tensor]]:
+def weight_buckets(module: torch.nn.Module, version: int, bucket_bytes: int = BUCKET_BYTES, *,
+                   everywhere: bool = False) -> tuple[WeightsHeader, Iterator[torch.Tensor]]:
     """Every training rank: the plan of the model's full weights in buckets of ``bucket_bytes``, and the
-    buckets, each sum-reduced onto training rank 0 as it is taken (see the module's docstring). Every rank
-    takes every bucket, in order; only rank 0's hold the weights."""
+    buckets, each sum-reduced onto training rank 0 as it is taken (see the module's docstring), or onto
+    every rank (``everywhere``: an all-reduce). Every rank takes every bucket, in order; only rank 0's
+    hold the weights, or every rank's with ``everywhere``."""
     pieces = parameter_pieces(module)
     blocks = [_block(piece) for piece in pieces]
     blocks_by_rank: list = [None] * dist.get_world_size()
@@ -114,7 +115,10 @@ def weight_buckets(module: torch.nn.Module, version: int,
                                       for start, size in zip(block.starts[1:], block.sizes[1:]))
                         offset = block.starts[0]
                         rows[(slice(low - first, high - first), *inner)] = data[low - offset:high - offset]
-            dist.reduce(flat, dst=0)
+            if everywhere:
+                dist.all_reduce(flat)
+            else:
+                dist.reduce(flat, dst=0)
             yield flat
 
     return header, buckets()
@@ -134,7 +138,7 @@ def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int
 
 
 def full_tensors(header: WeightsHeader, buckets: Iterator[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Training rank 0: each full tensor of ``weight_buckets``, by key, as soon as its last rows arrive
+    """A rank that the buckets reach: each full tensor of ``weight_buckets``, by key, as soon as its last rows arrive
     (a tensor whose rows lie in several buckets is copied together; one within a bucket is a view of it)."""
     pending: dict[str, tuple[torch.Tensor, int]] = {}
     for segments, flat in zip(header.buckets, buckets, strict=True):

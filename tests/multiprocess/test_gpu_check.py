@@ -41,10 +41,12 @@ def test_cpu_twin_runs_every_driver_stage_in_fp32(tmp_path):
     its own tests there."""
     skips = [arg for stage in MULTI_PROCESS for arg in ("--skip-stage", stage)]
     result = cpu_twin(tmp_path, "float32", *skips)
-    assert_every_stage_passed(result, "float32", skipped={"fp8", *MULTI_PROCESS})
+    assert_every_stage_passed(result, "float32", skipped={"fp8", "vllm", *MULTI_PROCESS})
     rows = {row["stage"]: row["result"] for row in stage_rows(result.stdout)}
     assert rows["bf16-rollout"].startswith("rollout.dtype bfloat16, compiled decode: policy loss ")
     assert rows["fp8"] == "skipped: FP8 trains bf16 weights: it runs in the bfloat16 half"
+    # vLLM lives in .venv-vllm: tests/vllm/test_gpu_check_vllm.py runs the stage there.
+    assert rows["vllm"].startswith("skipped: vLLM is not installed: pip install 'megacispo[vllm]'")
 
 
 def test_a_failed_stage_fails_its_row_the_rows_that_need_it_and_the_exit_status(tmp_path):

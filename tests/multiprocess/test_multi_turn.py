@@ -18,53 +18,15 @@ numbers of decode steps), and ends the conversation after its third turn. Checke
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from megacispo.data.prompts import PromptRecord
-from megacispo.envs.base import EnvStep
+from megacispo.testing.conversations import PAD, CharTokenizer, CountingEnv
 from megacispo.testing.harness import run_distributed
 
-EOS, PAD = 2, 0
-# A turn ends at any of these ids (the tiny random model samples one within a few tokens).
-STOPS = tuple(range(3, 43))
 PROMPT_LENGTHS = (3, 9, 20, 5, 11, 2)
 MAX_NEW = 48
-
-
-class CharTokenizer:
-    """Text <-> ids one character each: enough of a tokenizer for the replies' ids."""
-
-    bos_id, eos_id, pad_id = 1, EOS, PAD
-    stop_ids = (EOS, *STOPS)
-
-    def encode(self, text: str) -> list[int]:
-        return [100 + ord(c) % 300 for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-class CountingEnv:
-    """Replies "x" * (2 + sample + turn) as a tool message, late by ``delay_s`` for odd samples; done at turn 3."""
-
-    def __init__(self, delay_s: float = 0.0):
-        self.delay_s, self.turn, self.sample = delay_s, 0, 0
-
-    def reset(self, record: PromptRecord):
-        self.sample = int(record.answer)
-        return None
-
-    def step(self, assistant_message: str) -> EnvStep:
-        self.turn += 1
-        if self.sample % 2:
-            time.sleep(self.delay_s)
-        if self.turn == 3:
-            return EnvStep(reward=1.0, done=True, metrics={"calls": 1})
-        return EnvStep(messages=[{"role": "tool", "content": "x" * (2 + self.sample % 4 + self.turn)}], reward=0.5,
-                       metrics={"calls": 1})
 
 
 def _model(layout: dict):

@@ -14,8 +14,8 @@ from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE_HEADER = "| check | case | value | bound | status | note |"
-DRIVER_STAGES = ["sft", "rl", "padded", "cp", "bf16-rollout", "fp8", "tp2-ep2", "rollout-ranks", "save", "resume",
-                 "score"]
+DRIVER_STAGES = ["sft", "rl", "padded", "cp", "bf16-rollout", "fp8", "tp2-ep2", "rollout-ranks", "vllm", "save",
+                 "resume", "score"]
 
 
 def load_gpu_check() -> ModuleType:

@@ -9,6 +9,7 @@ class CharTokenizer:
 
     pad_id, bos_id, eos_id = 0, 1, 2
     stop_ids = (2,)
+    vocab_size = 503
 
     def encode(self, text: str) -> list[int]:
         return [3 + ord(character) % 500 for character in text]
