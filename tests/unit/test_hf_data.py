@@ -309,3 +309,14 @@ def test_builders_are_deterministic_and_fit_megacispo(tok_dir, tmp_path):
     train = load_prompts(tmp_path / "data" / "train.parquet", fields=VERL)
     assert len(train) == 3 and len(load_prompts(tmp_path / "data" / "test.parquet", fields=VERL)) == 2
     assert all(str(int(r.answer)) == r.answer and "\\boxed{}" in r.prompt[0]["content"] for r in train)
+
+
+def test_the_quick_starts_m2_has_the_head_width_asked_for(tmp_path):
+    """FAMILY=minimax-m2 bash examples/quickstart.sh's M2: tiny-m2 with 32-wide heads, RoPE on half of each."""
+    from megacispo.models.config import model_config
+    from megacispo.models.hf_names import config_from_hf
+
+    argv = ["model", "--family", "minimax-m2", "--head-dim", "32", "--out", str(tmp_path), "--vocab-size", "512"]
+    assert make_tiny_hf.main(argv) == 0
+    config = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert config == model_config("tiny-m2", vocab_size=512, head_dim=32, rotary_dim=16)

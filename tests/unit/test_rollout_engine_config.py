@@ -65,3 +65,14 @@ def test_the_sync_tolerance_follows_the_precision():
     config = run_config(None, ["rollout.dtype=bfloat16"]).rollout
     assert (config.sync_tolerance(on_gpu=True), run_config(None).rollout.sync_tolerance(on_gpu=False)) == (0.1, 1e-3)
     assert run_config(None, ["rollout.vllm_sync_tolerance=0.3"]).rollout.sync_tolerance(on_gpu=True) == 0.3
+
+
+def test_a_vllm_engine_spans_a_divisor_of_the_world():
+    from megacispo.config import load_config
+    from megacispo.startup import _check_vllm_layout
+
+    config = load_config(None, [*M2, "rollout.vllm_tensor_parallel=2"])
+    _check_vllm_layout(config, 4)
+    with pytest.raises(ValueError, match=r"^rollout.vllm_tensor_parallel = 2 does not divide the 3 processes: each "
+                                         r"vLLM engine spans that many consecutive ones; use a divisor of 3$"):
+        _check_vllm_layout(config, 3)

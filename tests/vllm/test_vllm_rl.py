@@ -1,6 +1,7 @@
 """RL steps with rollout.engine = vllm (``bash tests/run.sh --vllm``): vLLM in every training process of a tiny
 MiniMax-M2 (head_dim 32: vLLM's CPU attention has no kernel for 16), started from its config.json alone and
-given every weight by the trainer, at 1 process, TP 2, EP 2 and PP 2:
+given every weight by the trainer, at 1 process, TP 2, EP 2 and PP 2, and at EP 2 with one vLLM engine over
+both processes (rollout.vllm_tensor_parallel = 2):
 
 - after the start's sync and each step's, vLLM's log-probs of the probe equal the trainer's (fp32: 1e-3),
   and the weights it got are the step's: the probe's log-probs moved between the syncs;
@@ -29,11 +30,13 @@ LAYOUTS = {
     "TP 2": ({"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True}, 2),
     "EP 2": ({"parallel.expert_model_parallel_size": 2}, 2),
     "PP 2": ({"parallel.pipeline_model_parallel_size": 2}, 2),
+    # One vLLM engine over both processes: its weights split over them, each rank's prompts gathered.
+    "EP 2, vLLM TP 2": ({"parallel.expert_model_parallel_size": 2, "rollout.vllm_tensor_parallel": 2}, 2),
 }
 SKIPPED = "model.layers.1.self_attn.o_proj.weight"
 SWAPPED = ("model.layers.2.block_sparse_moe.experts.0.w1.weight", "model.layers.2.block_sparse_moe.experts.1.w1.weight")
 MISMATCH_TOLERANCE = 1e-4  # |vLLM's sampled log-prob - the trainer's old log-prob| (fp32)
-ERROR = (r"rank 0 \(of 1 that failed\) after the sync of step \d+: vLLM's weights are not the trainer's after the "
+ERROR = (r"rank 0 \(of [12] that failed\) after the sync of step \d+: vLLM's weights are not the trainer's after the "
          r"update: its log-prob of probe sequence \d+'s token \d+ is -?\d+\.\d+, the trainer's -?\d+\.\d+ "
          r"\(\|difference\| [\d.e+-]+ > 0.001\)")
 
