@@ -103,7 +103,9 @@ def start_vllm(hf_dir: str | os.PathLike, *, dtype: torch.dtype, max_model_len: 
     llm = LLM(model=str(Path(hf_dir)), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
               kv_cache_memory_bytes=int(kv_cache_gib * 2**30), load_format=load_format,
               tensor_parallel_size=tensor_parallel,
-              distributed_executor_backend="external_launcher" if dist.is_initialized() else "uni",
+              # In a world of several processes, vLLM joins it; alone, vLLM's own executor needs no launcher.
+              distributed_executor_backend="external_launcher" if dist.is_initialized() and dist.get_world_size() > 1
+              else "uni",
               # The sampled token's log-prob under the tempered distribution, as megacispo's engine reports it.
               logprobs_mode="processed_logprobs", enforce_eager=not on_gpu, enable_sleep_mode=on_gpu, **optional)
     if not on_gpu:
