@@ -13,6 +13,8 @@ from megacispo.testing.gpu_check_twin import load_gpu_check
 
 pytest.importorskip("vllm")
 gpu_check = load_gpu_check()
+# About 35 s, a twin of what tests/vllm/test_vllm_rl.py checks: bash tests/run.sh --vllm --slow runs it.
+pytestmark = pytest.mark.slow
 
 
 def test_the_vllm_stage_passes_on_the_cpu_twin(tmp_path):

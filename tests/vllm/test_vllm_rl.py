@@ -3,13 +3,12 @@ MiniMax-M2 (head_dim 32: vLLM's CPU attention has no kernel for 16), started fro
 given every weight by the trainer, at 1 process, TP 2, EP 2 and PP 2, and at EP 2 with one vLLM engine over
 both processes (rollout.vllm_tensor_parallel = 2):
 
-- after the start's sync and each step's, vLLM's log-probs of the probe equal the trainer's (fp32: 1e-3),
-  and the weights it got are the step's: the probe's log-probs moved between the syncs;
+- after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's (fp32: 1e-3);
 - vLLM's log-probs of the tokens it sampled are the training engine's old log-probs of them (the
   mismatch/* metrics), so its samples come from the weights being trained;
-- a planted bad sync, one tensor not sent or one expert's rows in another's place, on one rank only, is
-  caught on every rank with an error naming the rank, the probe position and both log-probs, and a good
-  sync after it passes;
+- after every weight moved (further than a step moves them), a planted bad sync, one tensor not sent or one
+  expert's rows in another's place, on one rank only, is caught on every rank with an error naming the
+  rank, the probe position and both log-probs, and a good sync after it passes;
 - megacispo.train stops with that error, one line and exit code 2, before it trains on the samples of the
   bad weights.
 """
@@ -83,8 +82,8 @@ def _move(module) -> None:
 
 
 def _steps_on_vllm(overrides: list[str]) -> dict:
-    """vLLM started and synced, two RL steps (each synced after its update), then the planted bad syncs (each
-    after the weights moved) and a good one: the metrics of each sync and step, and the bad syncs' errors."""
+    """vLLM started and synced, an RL step (synced after its update), then the planted bad syncs (each after
+    the weights moved) and a good one: the metrics of each sync and step, and the bad syncs' errors."""
     from megacispo.config import load_config
     from megacispo.rollout import vllm_engine
     from megacispo.startup import check_config
@@ -93,10 +92,8 @@ def _steps_on_vllm(overrides: list[str]) -> dict:
     config = check_config(load_config(None, overrides))
     trainer = build_trainer(config)
     trainer.start_vllm()
-    result = {"start": trainer._sync_vllm(0), "steps": []}
-    for _ in range(2):
-        result["steps"].append(trainer.rl_step())
-        trainer.step += 1
+    result = {"start": trainer._sync_vllm(0), "steps": [trainer.rl_step()]}
+    trainer.step += 1
     sound, result["caught"] = vllm_engine.hf_weights, {}
     for fault in ("skipped", "swapped"):
         _move(trainer.engine.module)
