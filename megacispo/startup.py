@@ -364,8 +364,9 @@ def _check_rollout_engine(config: Config) -> None:
                          "removed MiniMaxText01 after 0.23); set rollout.engine=megacispo")
     refused = {
         "placement.rollout_ranks": (config.placement.rollout_ranks, "vLLM runs in every training process"),
-        "rl.routing_replay": (config.rl.routing_replay, "vLLM does not return the experts it routed each token to "
-                                                        "on its CPU build, which megacispo's tests run"),
+        "rl.routing_replay": (config.rl.routing_replay, "replay needs the experts the rollout routed each token "
+                                                        "to; vLLM 0.32 returns them only from its model runner V2 "
+                                                        "(Triton, GPUs), which megacispo does not read"),
         "rollout.early_truncation_tokens": (rollout.early_truncation_tokens, "vLLM has no early truncation"),
         "rollout.top_k": (rollout.top_k, "vLLM's log-probs of a top-k draw are of the truncated distribution, the "
                                          "trainer's of the tempered one"),

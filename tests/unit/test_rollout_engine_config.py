@@ -29,7 +29,8 @@ def test_m1_on_vllm_is_refused_naming_the_engine_to_use():
 @pytest.mark.parametrize("override, message", [
     ("placement.rollout_ranks=1", r"placement.rollout_ranks = 1: vLLM runs in every training process; set "
                                   r"placement.rollout_ranks=0"),
-    ("rl.routing_replay=true", r"rl.routing_replay = True: vLLM does not return the experts it routed .*; set "
+    ("rl.routing_replay=true", r"rl.routing_replay = True: replay needs the experts the rollout routed each token "
+                               r"to; vLLM 0.32 returns them only from its model runner V2 .*; set "
                                r"rl.routing_replay=false"),
     ("rollout.early_truncation_tokens=300", r"rollout.early_truncation_tokens = 300: vLLM has no early truncation; "
                                             r"set rollout.early_truncation_tokens=0"),
