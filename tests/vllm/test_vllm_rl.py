@@ -3,7 +3,7 @@ MiniMax-M2 (head_dim 32: vLLM's CPU attention has no kernel for 16), started fro
 given every weight by the trainer, at 1 process, TP 2, EP 2 and PP 2, and at EP 2 with one vLLM engine over
 both processes (rollout.vllm_tensor_parallel = 2):
 
-- after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's (fp32: 1e-3);
+- after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's to 1e-3 (fp32; the run's bound is 1e-2);
 - vLLM's log-probs of the tokens it sampled are the training engine's old log-probs of them (the
   mismatch/* metrics), so its samples come from the weights being trained;
 - after every weight moved (further than a step moves them), a planted bad sync, one tensor not sent or one
@@ -37,7 +37,7 @@ SWAPPED = ("model.layers.2.block_sparse_moe.experts.0.w1.weight", "model.layers.
 MISMATCH_TOLERANCE = 1e-4  # |vLLM's sampled log-prob - the trainer's old log-prob| (fp32)
 ERROR = (r"rank 0 \(of [12] that failed\) after the sync of step \d+: vLLM's weights are not the trainer's after the "
          r"update: its log-prob of probe sequence \d+'s token \d+ is -?\d+\.\d+, the trainer's -?\d+\.\d+ "
-         r"\(\|difference\| [\d.e+-]+ > 0.001\)")
+         r"\(\|difference\| [\d.e+-]+ > 0.01\)")
 
 
 def _overrides(data, run_dir, layout: dict) -> list[str]:
