@@ -1489,7 +1489,7 @@ def vllm_stage(run: DriverRun) -> str:
     process: started from the config alone, given the weights by a sync at the start and after every step,
     each sync checked by the run (it stops when the probe's log-probs differ beyond the tolerance) and
     timed; vLLM's sampled log-probs within bf16's gap of the training engine's old log-probs."""
-    from megacispo.rollout.vllm_engine import vllm_version
+    from megacispo.rollout.vllm_install import vllm_version
 
     try:
         version = vllm_version()

@@ -34,7 +34,7 @@ from megacispo.rl import adaptive_clip
 from megacispo.rl.losses import policy_loss_names, validate_policy_loss_params
 from megacispo.rollout.config import VLLM
 from megacispo.rollout.generate import GIB, rollout_cache_bytes
-from megacispo.rollout.vllm_engine import vllm_version
+from megacispo.rollout.vllm_install import vllm_version
 
 
 def build_parser(description: str, load_field: str) -> argparse.ArgumentParser:

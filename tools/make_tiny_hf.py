@@ -2,7 +2,7 @@
 model, and a verl-layout math Parquet set.
 
     python tools/make_tiny_hf.py tokenizer --out DIR [--vocab-size 400] [--seed 0] [--bos]
-    python tools/make_tiny_hf.py model --out DIR --vocab-size 512 [--seed 0] [--family minimax-m2]
+    python tools/make_tiny_hf.py model --out DIR --vocab-size 512 [--seed 0] [--family minimax-m2 [--head-dim 32]]
     python tools/make_tiny_hf.py data --out DIR [--num-train 64] [--num-test 16] [--seed 0]
 
 tokenizer: a byte-level BPE trained on a small generated math corpus (tokenizer.json and

@@ -647,7 +647,7 @@ class Trainer:
         width = self.engine.padded_length(int(max(len(sequence) for sequence in probe)))
         tokens = torch.full((len(probe), width), self.tokenizer.pad_id, device=self.engine.device)
         for row, sequence in enumerate(probe):
-            tokens[row, :len(sequence)] = torch.tensor(sequence)
+            tokens[row, :len(sequence)] = torch.tensor(sequence, device=self.engine.device)
         padding_mask = right_padding_mask(lengths, width)
         model = self.config.model
         batch = TrainBatch(tokens=tokens, loss_mask=(~padding_mask[:, 1:]).float(),

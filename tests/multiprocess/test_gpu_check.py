@@ -56,7 +56,7 @@ def test_a_failed_stage_fails_its_row_the_rows_that_need_it_and_the_exit_status(
     result = cpu_twin(tmp_path, "float32", "--stage-timeout", "1", "--rows-file", str(rows_file))
     assert result.returncode == 1
     table = result.stdout[result.stdout.index(TABLE_HEADER):].split("\n\n")[0]
-    assert rows_file.read_text() == table + "\n" and len(table.splitlines()) == 2 + 12
+    assert rows_file.read_text() == table + "\n" and len(table.splitlines()) == 2 + 13
     statuses = {row["stage"]: (row["status"], row["result"]) for row in stage_rows(result.stdout)}
     assert statuses["data + tokenizer"][0] == "pass"
     assert statuses["sft"] == ("FAIL", f"timed out after 1 s (log: {tmp_path / 'float32' / 'logs' / 'sft.log'})")
@@ -64,6 +64,8 @@ def test_a_failed_stage_fails_its_row_the_rows_that_need_it_and_the_exit_status(
                          ("tp2-ep2", "rl"), ("rollout-ranks", "rl"), ("save", "rl"), ("resume", "save"),
                          ("score", "save")]:
         assert statuses[stage] == ("FAIL", f"not run: it needs {needs}")
+    # The vllm stage needs no other (it trains a random tiny M2): here, without vLLM, it skips.
+    assert statuses["vllm"][0] == "skip" and statuses["vllm"][1].startswith("skipped: vLLM is not installed")
 
 
 def _run(tmp_path: Path, dtype: str, gpus: int, budget_s: float = 0.0):

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from megacispo.rollout import vllm_engine
+from megacispo.rollout import vllm_install
 from megacispo.startup import run_config
 
 M2 = ["model.size=tiny-m2", "rollout.engine=vllm"]
@@ -56,7 +56,7 @@ def test_without_vllm_the_error_says_how_to_install_it():
 
 
 def test_a_vllm_release_outside_the_tested_range_is_refused(monkeypatch):
-    monkeypatch.setattr(vllm_engine.importlib.metadata, "version", lambda distribution: "0.35.0")
+    monkeypatch.setattr(vllm_install.importlib.metadata, "version", lambda distribution: "0.35.0")
     with pytest.raises(ValueError, match=r"^rollout.engine = vllm: vLLM 0.35.0 is installed: megacispo's vLLM "
                                          r"rollouts are tested with 0.32 <= vLLM < 0.34"):
         run_config(None, M2)

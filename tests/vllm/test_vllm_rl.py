@@ -1,7 +1,7 @@
 """RL steps with rollout.engine = vllm (``bash tests/run.sh --vllm``): vLLM in every training process of a tiny
 MiniMax-M2 (head_dim 32: vLLM's CPU attention has no kernel for 16), started from its config.json alone and
-given every weight by the trainer, at 1 process, TP 2, EP 2 and PP 2, and at EP 2 with one vLLM engine over
-both processes (rollout.vllm_tensor_parallel = 2):
+given every weight by the trainer, at 1 process, TP 2 and PP 2, and at EP 2 with one vLLM engine over both
+processes (rollout.vllm_tensor_parallel = 2); megacispo.train's run below is at EP 2 with an engine per process:
 
 - after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's to 1e-3 (fp32; the run's bound is 1e-2);
 - vLLM's log-probs of the tokens it sampled are the training engine's old log-probs of them (the
@@ -27,7 +27,6 @@ MODEL = {"model.size": "tiny-m2", "model.head_dim": 32, "model.rotary_dim": 16, 
 LAYOUTS = {
     "one process": ({}, 1),
     "TP 2": ({"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True}, 2),
-    "EP 2": ({"parallel.expert_model_parallel_size": 2}, 2),
     "PP 2": ({"parallel.pipeline_model_parallel_size": 2}, 2),
     # One vLLM engine over both processes: its weights split over them, each rank's prompts gathered.
     "EP 2, vLLM TP 2": ({"parallel.expert_model_parallel_size": 2, "rollout.vllm_tensor_parallel": 2}, 2),
