@@ -232,7 +232,7 @@ class VllmRollouts:
         """Every training rank: the weights of step ``version`` into vLLM (``send_weights``), checked against the
         trainer's log-probs of the probe (``expected``) on every rank; WeightSyncError on every rank, naming a
         rank's worst difference, when any rank's exceed the tolerance. Returns perf/weight_sync_s (gather, load
-        and check) and rollout/vllm_probe_max_abs_diff."""
+        and check) and rollout/vllm_probe_max_abs_diff (the largest difference on any rank)."""
         start = time.perf_counter()
         if self._asleep:
             self.llm.wake_up()
@@ -242,14 +242,15 @@ class VllmRollouts:
                                                expected=expected, tolerance=self.tolerance), None
         except WeightSyncError as error:
             difference, failure = float("inf"), str(error)
-        failures: list = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
-        failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
+        checks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(checks, (difference, failure))
+        failed = [(rank, text) for rank, (_, text) in enumerate(checks) if text is not None]
         if failed:
             rank, text = failed[0]
             raise WeightSyncError(f"rank {rank} (of {len(failed)} that failed) after the sync of step {version}: "
                                   f"{text}")
-        return {"perf/weight_sync_s": time.perf_counter() - start, "rollout/vllm_probe_max_abs_diff": difference}
+        return {"perf/weight_sync_s": time.perf_counter() - start,
+                "rollout/vllm_probe_max_abs_diff": max(difference for difference, _ in checks)}
 
     def release_memory(self) -> None:
         """On GPUs, vLLM's weights and cache leave the GPU until the next sync (vLLM's sleep, level 1); on a CPU

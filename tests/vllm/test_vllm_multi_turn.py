@@ -1,8 +1,9 @@
 """Multi-turn rollouts on vLLM (rollout.engine = vllm; ``bash tests/run.sh --vllm``) keep megacispo's protocol: a
 turn that ends at a stop id goes to the sample's environment, its reply is appended to the sequence outside the
 loss mask, and the next turn is generated after it, in one process and with one vLLM engine over two
-(rollout.vllm_tensor_parallel = 2: the processes' conversations gathered into each round). A tiny M2 (head_dim 32) greedy in fp32, given megacispo's
-weights by a sync, talks to an environment that replies late to some samples and ends after three turns
+(rollout.vllm_tensor_parallel = 2: the processes' conversations gathered into each round). A tiny M2
+(head_dim 32) greedy in fp32, given megacispo's weights by a sync, talks to an environment that replies late
+to some samples and ends after three turns
 (megacispo.testing.conversations.CountingEnv):
 
 - vLLM's samples equal megacispo's engine's, token for token (every turn and every reply), with the same
@@ -128,5 +129,5 @@ def test_tensor_parallel_shared_memory_is_the_runs_own_and_removed(ranks):
         pytest.skip("one process: no tensor parallelism")
     for engines in ranks:
         name, unshimmed, left = engines["shared memory"]
-        assert unshimmed.replace("/", "") == "-tp:0-[0-1]-cpushm", f"vLLM names it {unshimmed!r} now: is the shim needed?"
+        assert unshimmed.replace("/", "") == "-tp:0-[0-1]-cpushm", f"vLLM names it {unshimmed!r}: is the shim needed?"
         assert name.startswith("megacispo-") and name.endswith(unshimmed.replace("/", "")) and not left

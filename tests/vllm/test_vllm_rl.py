@@ -3,7 +3,8 @@ MiniMax-M2 (head_dim 32: vLLM's CPU attention has no kernel for 16), started fro
 given every weight by the trainer, at 1 process, TP 2 and PP 2, and at EP 2 with one vLLM engine over both
 processes (rollout.vllm_tensor_parallel = 2); megacispo.train's run below is at EP 2 with an engine per process:
 
-- after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's to 1e-3 (fp32; the run's bound is 1e-2);
+- after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's to 1e-3 (fp32; the
+  run's bound is 1e-2);
 - vLLM's log-probs of the tokens it sampled are the training engine's old log-probs of them (the
   mismatch/* metrics), so its samples come from the weights being trained;
 - after every weight moved (further than a step moves them), a planted bad sync, one tensor not sent or one
