@@ -1,7 +1,8 @@
 """RL steps with rollout.engine = vllm (``bash tests/run.sh --vllm``): vLLM in every training process of a tiny
 MiniMax-M2 (head_dim 32: vLLM's CPU attention has no kernel for 16), started from its config.json alone and
-given every weight by the trainer, at 1 process, TP 2 and PP 2, and at EP 2 with one vLLM engine over both
-processes (rollout.vllm_tensor_parallel = 2); megacispo.train's run below is at EP 2 with an engine per process:
+given every weight by the trainer, at 1 process, TP 2 and PP 2, at EP 2 with one vLLM engine over both
+processes (rollout.vllm_tensor_parallel = 2), and in the slow tier at CP 2; megacispo.train's run below is at
+EP 2 with an engine per process:
 
 - after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's to 1e-3 (fp32; the
   run's bound is 1e-2);
@@ -31,6 +32,8 @@ LAYOUTS = {
     "PP 2": ({"parallel.pipeline_model_parallel_size": 2}, 2),
     # One vLLM engine over both processes: its weights split over them, each rank's prompts gathered.
     "EP 2, vLLM TP 2": ({"parallel.expert_model_parallel_size": 2, "rollout.vllm_tensor_parallel": 2}, 2),
+    # Each CP rank generates its share of the prompts with its own engine (bash tests/run.sh --vllm --slow).
+    "CP 2": ({"parallel.context_parallel_size": 2}, 2),
 }
 SKIPPED = "model.layers.1.self_attn.o_proj.weight"
 SWAPPED = ("model.layers.2.block_sparse_moe.experts.0.w1.weight", "model.layers.2.block_sparse_moe.experts.1.w1.weight")
@@ -109,7 +112,8 @@ def _steps_on_vllm(overrides: list[str]) -> dict:
     return result
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) if name == "CP 2" else name
+                                        for name in LAYOUTS])
 def run(request, task_files, tmp_path_factory) -> list[dict]:
     layout, world = LAYOUTS[request.param]
     overrides = _overrides(task_files, tmp_path_factory.mktemp("run"), layout)
