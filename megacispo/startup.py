@@ -362,27 +362,24 @@ def _check_rollout_engine(config: Config) -> None:
     if config.model.family != M2:
         raise ValueError(f"{field} with model.family = {config.model.family}: vLLM does not serve MiniMax-M1 (it "
                          "removed MiniMaxText01 after 0.23); set rollout.engine=megacispo")
-    refused = {
-        "placement.rollout_ranks": (config.placement.rollout_ranks, "vLLM runs in every training process"),
-        "rl.routing_replay": (config.rl.routing_replay, "replay needs the experts the rollout routed each token "
-                                                        "to; vLLM 0.32 returns them only from its model runner V2 "
-                                                        "(Triton, GPUs), which megacispo does not read"),
-        "rollout.early_truncation_tokens": (rollout.early_truncation_tokens, "vLLM has no early truncation"),
-        "rollout.top_k": (rollout.top_k, "vLLM's log-probs of a top-k draw are of the truncated distribution, the "
-                                         "trainer's of the tempered one"),
-        "rollout.top_p": (rollout.top_p < 1 and rollout.top_p, "vLLM's log-probs of a top-p draw are of the "
-                                                               "truncated distribution, the trainer's of the tempered "
-                                                               "one"),
-        "rollout.compile_decode": (rollout.compile_decode, "it compiles megacispo's decode step; vLLM compiles its "
-                                                           "own (CUDA graphs on GPUs)"),
-        "rollout.max_cache_gib": (rollout.max_cache_gib, "it caps megacispo's cache; vLLM's is "
-                                                         "rollout.vllm_cache_gib"),
-        "rollout.host_check_every": (rollout.host_check_every, "it paces megacispo's decode loop, not vLLM's"),
-    }
-    for name, (value, why) in refused.items():
-        if value:
-            default = "1.0" if name == "rollout.top_p" else "0" if not isinstance(value, bool) else "false"
-            raise ValueError(f"{field} with {name} = {value}: {why}; set {name}={default} or "
+    truncated = "vLLM's log-probs of such a draw are of the truncated distribution, the trainer's of the tempered one"
+    refused = [  # (field, its value, the value that works on vLLM, why)
+        ("placement.rollout_ranks", config.placement.rollout_ranks, 0, "vLLM runs in every training process"),
+        ("rl.routing_replay", config.rl.routing_replay, False,
+         "replay needs the experts the rollout routed each token to; vLLM 0.32 returns them only from its model "
+         "runner V2 (Triton, GPUs), which megacispo does not read"),
+        ("rollout.early_truncation_tokens", rollout.early_truncation_tokens, 0, "vLLM has no early truncation"),
+        ("rollout.top_k", rollout.top_k, 0, truncated),
+        ("rollout.top_p", rollout.top_p, 1.0, truncated),
+        ("rollout.compile_decode", rollout.compile_decode, False,
+         "it compiles megacispo's decode step; vLLM compiles its own (CUDA graphs on GPUs)"),
+        ("rollout.max_cache_gib", rollout.max_cache_gib, 0,
+         "it caps megacispo's cache; vLLM's is rollout.vllm_cache_gib"),
+        ("rollout.host_check_every", rollout.host_check_every, 0, "it paces megacispo's decode loop, not vLLM's"),
+    ]
+    for name, value, works, why in refused:
+        if value != works:
+            raise ValueError(f"{field} with {name} = {value}: {why}; set {name}={str(works).lower()} or "
                              "rollout.engine=megacispo")
     try:
         vllm_version()

