@@ -16,6 +16,7 @@ Before the first step of a fresh run completes nothing is saved: nothing was tra
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import signal
 from dataclasses import dataclass, field
@@ -259,7 +260,8 @@ class Trainer:
         new_tokens = min(PROBE_NEW_TOKENS, config.rollout.max_new_tokens)
         probe = probe_sequences(prompts, self.tokenizer.vocab_size, new_tokens, config.train.seed)
         self.vllm = VllmRollouts.start(config.model, config.rollout, probe=probe, seed=config.train.seed,
-                                       max_model_len=config.max_prompt_tokens + config.rollout.max_new_tokens)
+                                       max_model_len=config.max_prompt_tokens + config.rollout.max_new_tokens,
+                                       timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes))
         metrics = self._sync_vllm(self.step)
         self._say(f"rollout.engine = vllm: started, weights of step {self.step} sent in "
                   f"{metrics['perf/weight_sync_s']:.2f} s (probe log-probs within "

@@ -21,6 +21,7 @@ applied to its model. vLLM is imported on use: nothing else of megacispo needs i
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import tempfile
@@ -204,11 +205,12 @@ class VllmRollouts:
 
     @classmethod
     def start(cls, model: HybridModelConfig, rollout: RolloutConfig, *, max_model_len: int, seed: int,
-              probe: list[list[int]]) -> VllmRollouts:
+              probe: list[list[int]], timeout: datetime.timedelta) -> VllmRollouts:
         """vLLM for ``model``'s config.json alone, in rollout.dtype, with rollout.vllm_cache_gib of cache and
         rollout.max_running sequences at most (0: vLLM's default), for sequences of ``max_model_len``, over
         rollout.vllm_tensor_parallel consecutive processes; its weights come with the first ``sync``. Every
-        training rank calls it."""
+        training rank calls it; ``timeout`` bounds each wait of an engine's processes for each other (the
+        run's parallel.distributed_timeout_minutes)."""
         on_gpu = torch.cuda.is_available()
         dtype = rollout.torch_dtype(on_gpu)
         config_dir = tempfile.TemporaryDirectory(prefix="megacispo-vllm-")
@@ -221,7 +223,7 @@ class VllmRollouts:
             # Every rank makes every engine's group (a collective); host objects go through them.
             for first in range(0, dist.get_world_size(), tensor_parallel):
                 ranks = list(range(first, first + tensor_parallel))
-                made = dist.new_group(ranks, backend="gloo")
+                made = dist.new_group(ranks, backend="gloo", timeout=timeout)
                 group = made if dist.get_rank() in ranks else group
         llm = start_vllm(config_dir.name, dtype=dtype, max_model_len=max_model_len, kv_cache_gib=rollout.vllm_cache_gib,
                          seed=seed, max_num_seqs=rollout.max_running or None, load_format="dummy",

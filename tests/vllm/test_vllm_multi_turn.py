@@ -13,6 +13,7 @@ to some samples and ends after three turns
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 
@@ -53,7 +54,8 @@ def _conversations_on_both_engines(vllm_tensor_parallel: int) -> dict:
     rollout = RolloutConfig(max_new_tokens=MAX_NEW, temperature=0.0, vllm_cache_gib=0.25,
                             vllm_tensor_parallel=vllm_tensor_parallel)
     # The probe is the same on every rank, as the trainer's is: an engine of several processes scores it together.
-    vllm = VllmRollouts.start(config, rollout, max_model_len=128, seed=0, probe=[list(range(43, 60)), [7, 300] * 9])
+    vllm = VllmRollouts.start(config, rollout, max_model_len=128, seed=0, probe=[list(range(43, 60)), [7, 300] * 9],
+                              timeout=datetime.timedelta(minutes=5))
     with torch.no_grad():
         expected = [torch.log_softmax(model(torch.tensor([sequence])).double(), dim=-1)[0, :-1]
                     .gather(-1, torch.tensor(sequence[1:])[:, None])[:, 0] for sequence in vllm.probe]
