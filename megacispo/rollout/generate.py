@@ -329,7 +329,7 @@ def _check_context(context: int, prompts: list[list[int]], limits: list[int]) ->
         )
 
 
-def _count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
+def count_samples_on(progress: tqdm | None, num_samples: int) -> tqdm:
     """The caller's bar with this rollout's samples added to its total (a step's rollouts, however many
     rounds dynamic sampling takes, fill one bar), or a bar that draws nothing."""
     if progress is None:
@@ -533,7 +533,7 @@ class _SlotRollout:
         self.row_start = [cache.length - len(self.prompts[s]) for s in first]
         self._sync_rows()
         self.confident_run = torch.zeros(len(first), dtype=torch.long, device=self.device)
-        progress = _count_samples_on(progress, self.num_samples)
+        progress = count_samples_on(progress, self.num_samples)
         self.rows_agree = self._rows_agree()
         while True:
             if interrupt is not None:

@@ -4,9 +4,8 @@
 starts; ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that its model is an object of this process: an engine of its
 own, or one over rollout.vllm_tensor_parallel consecutive processes (its weights split over them, their prompts
 gathered into each batch). Each rank generates its own prompts, as megacispo's engine does:
-``VllmRollouts.generate`` keeps
-``megacispo.rollout.generate.generate``'s contract (prompts of token ids in, ``Samples`` out, each sample's
-random stream from its key: a vLLM seed).
+``VllmRollouts.generate`` keeps ``megacispo.rollout.generate.generate``'s contract (prompts of token ids in,
+``Samples`` out, each sample's random stream from its key: a vLLM seed).
 
 The engine starts from the model's config.json alone (``load_format="dummy"``) and receives every weight from
 the trainer: ``VllmRollouts.sync`` gathers the full tensors from any training layout in buckets of bounded
@@ -40,7 +39,7 @@ from megacispo.models import hf_names
 from megacispo.models.config import HybridModelConfig
 from megacispo.models.routing import route_dtype
 from megacispo.rollout.config import RolloutConfig
-from megacispo.rollout.generate import Samples
+from megacispo.rollout.generate import Samples, count_samples_on
 from megacispo.rollout.vllm_install import vllm_version
 from megacispo.rollout.weight_sync import BUCKET_BYTES, full_tensors, weight_buckets
 
@@ -278,8 +277,7 @@ class VllmRollouts:
         limits = [config.max_new_tokens] * len(prompts) if response_limits is None else list(response_limits)
         seeds = (keys % 2**63).tolist()  # one copy to the host
         stop_set = set(stop_ids)
-        progress = progress if progress is not None else tqdm(disable=True)
-        progress.total = (progress.total or 0) + len(prompts)
+        progress = count_samples_on(progress, len(prompts))
         if interrupt is not None:
             interrupt()
         responses: list[list[int]] = [[] for _ in prompts]
