@@ -25,7 +25,7 @@ from megacispo.data.config import DataConfig
 from megacispo.envs.config import EnvConfig
 from megacispo.evaluation.config import EvalConfig
 from megacispo.metrics.config import LoggingConfig
-from megacispo.models.config import HybridModelConfig, PrecisionConfig, RecomputeConfig, model_config
+from megacispo.models.config import HybridModelConfig, LoraConfig, PrecisionConfig, RecomputeConfig, model_config
 from megacispo.parallel.layout import ParallelConfig
 from megacispo.rl.config import RLConfig
 from megacispo.rollout.config import PlacementConfig, RolloutConfig
@@ -44,6 +44,8 @@ class Config:
     """Weight dtype, Transformer Engine and FP8."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """Activation recompute."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters: train them on a frozen base (rank 0: train every weight)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts and tokenizer."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

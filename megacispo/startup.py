@@ -280,6 +280,7 @@ def check_config(config: Config) -> Config:
     _check_environment(config)
     _check_placement(config)
     _check_rollout_engine(config)
+    _check_lora(config)
     _check_context_parallel(config)
     _check_lengths(config)
     _check_compile_decode(config)
@@ -385,6 +386,32 @@ def _check_rollout_engine(config: Config) -> None:
         vllm_version()
     except ValueError as error:
         raise ValueError(f"{field}: {error}") from None
+
+
+def _check_lora(config: Config) -> None:
+    """LoRA: targets the model has, a rank below their dimensions, a base to adapt (train.load), and none
+    of the features that do not carry adapters yet."""
+    lora = config.lora
+    lora.check_model(config.model)
+    if not lora.enabled:
+        return
+    field = f"lora.rank = {lora.rank}"
+    if not config.train.load:
+        raise ValueError(f"{field} trains adapters on a frozen base, but train.load is unset: set train.load to the "
+                         "base (a megacispo checkpoint or a Hugging Face directory), or lora.rank=0")
+    refused = [  # (field, its value, the value that works with adapters, why)
+        ("precision.fp8", config.precision.fp8, None,
+         "adapters sit on Megatron's local linears, not Transformer Engine's"),
+        ("precision.use_transformer_engine", config.precision.use_transformer_engine, False,
+         "adapters sit on Megatron's local linears, not Transformer Engine's"),
+        ("rollout.engine", config.rollout.engine, "megacispo", "vLLM's weight sync sends whole weights, not adapters"),
+        ("placement.rollout_ranks", config.placement.rollout_ranks, 0,
+         "the rollout processes' weight sync sends whole weights, not adapters"),
+    ]
+    for name, value, works, why in refused:
+        if value != works:
+            shown = "null" if works is None else str(works).lower() if isinstance(works, bool) else works
+            raise ValueError(f"{field} with {name} = {value}: {why}; set {name}={shown} or lora.rank=0")
 
 
 def _check_vllm_layout(config: Config, world_size: int) -> None:
@@ -506,7 +533,10 @@ def _check_rollout_host_memory(config: Config, samples_per_rank: int) -> None:
 
 
 def check_sft_batches(config: Config, data_parallel_size: int) -> None:
-    """sft.batch_size splits evenly over the data-parallel ranks and into micro-batches."""
+    """sft.batch_size splits evenly over the data-parallel ranks and into micro-batches; SFT trains every weight."""
+    if config.lora.enabled:
+        raise ValueError(f"lora.rank = {config.lora.rank}: megacispo.sft trains every weight (adapters are for RL, "
+                         "megacispo.train); set lora.rank=0")
     _check_split("sft.batch_size", config.sft.batch_size, data_parallel_size)
     _check_micro_batches(config, config.sft.batch_size // data_parallel_size, "pairs of each SFT step")
 

@@ -460,6 +460,100 @@ class RecomputeConfig:
                 )
 
 
+# The linears an adapter can sit on, by their module names: the lightning layers' projections, the
+# softmax layers' projections, and every expert's fc1 ([gate; up]) and fc2 (down).
+LORA_LIGHTNING_TARGETS = ("qkv_proj", "output_gate", "out_proj")
+LORA_SOFTMAX_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
+LORA_TARGETS = LORA_LIGHTNING_TARGETS + LORA_SOFTMAX_TARGETS + LORA_EXPERT_TARGETS
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters: each targeted linear computes W x + (alpha / rank) B A x with W frozen, A
+    [rank, in] and B [out, rank] trained (B starts at zero: the model starts as the base). Every expert
+    has its own A and B. The embedding, the norms, the routers and the LM head stay frozen."""
+
+    rank: int = 0
+    """The adapters' rank; 0: no adapters (every weight trains)."""
+    alpha: float = 16.0
+    """The update's scale is alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (rollouts and scoring run without it)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """The linears that get adapters, by module name: qkv_proj, output_gate, out_proj (lightning
+    layers), q_proj, k_proj, v_proj, o_proj (softmax layers), linear_fc1, linear_fc2 (experts)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: what B A x is multiplied by."""
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, its value and the fix."""
+        if self.rank < 0:
+            raise ValueError(f"lora.rank = {self.rank}: use a positive rank, or 0 for no adapters.")
+        if not self.enabled:
+            return
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout = {self.dropout}: use a probability in [0, 1).")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(
+                f"lora.targets = {self.targets!r}: {unknown or 'empty'}; choose a non-empty list of "
+                f"{', '.join(LORA_TARGETS)} (the router, the norms, the embedding and the LM head take no adapters)."
+            )
+
+    def check_model(self, config: HybridModelConfig) -> None:
+        """Every target names a linear the model has, and the rank is below every adapted layer's
+        dimensions (a low-rank update of rank >= min(in, out) is a full one with more parameters)."""
+        if not self.enabled:
+            return
+        dims = lora_target_dims(config)
+        absent = [target for target in self.targets if target not in dims]
+        if absent:
+            raise ValueError(
+                f"lora.targets = {self.targets!r}: {absent} name no layer of this {config.family} model (its "
+                f"linears: {', '.join(dims)}); remove them."
+            )
+        for target in self.targets:
+            in_features, out_features = dims[target]
+            if self.rank >= min(in_features, out_features):
+                raise ValueError(
+                    f"lora.rank = {self.rank}: {target} is [{out_features}, {in_features}], so a rank-{self.rank} "
+                    f"update is not low-rank; use lora.rank < {min(in_features, out_features)} or drop {target} "
+                    f"from lora.targets."
+                )
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a parameter name or checkpoint key names an adapter's A or B (models/lora.py)."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def lora_target_dims(config: HybridModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each linear an adapter can sit on, in this model (whole, not sharded)."""
+    hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+    dims = {"linear_fc1": (hidden, 2 * ffn), "linear_fc2": (ffn, hidden)}
+    if LIGHTNING in config.layer_pattern:
+        lightning = config.num_attention_heads * config.head_dim
+        dims |= {"qkv_proj": (hidden, 3 * lightning), "output_gate": (hidden, lightning),
+                 "out_proj": (lightning, hidden)}
+    if SOFTMAX in config.layer_pattern:
+        queries = config.num_attention_heads * config.head_dim
+        keys = config.num_query_groups * config.head_dim
+        dims |= {"q_proj": (hidden, queries), "k_proj": (hidden, keys), "v_proj": (hidden, keys),
+                 "o_proj": (queries, hidden)}
+    return dims
+
+
 def check_precision_and_recompute(
     config: HybridModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, recompute: RecomputeConfig
 ) -> None:

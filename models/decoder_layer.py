@@ -32,6 +32,7 @@ before the product and has no 1/k; the two differ in scale and form. It only sha
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,7 +50,7 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer, ge
 from megatron.core.utils import get_pg_rank
 
 from megacispo.models import te_specs
-from megacispo.models.config import LIGHTNING, HybridModelConfig
+from megacispo.models.config import LIGHTNING, HybridModelConfig, LoraConfig
 from megacispo.models.experts import (
     InProcessMoELayer,
     PaddingMaskedTopKRouter,
@@ -66,6 +67,7 @@ from megacispo.models.layers import (
     row_parallel_linear,
 )
 from megacispo.models.lightning_mixer import LightningMixer, LightningMixerSubmodules
+from megacispo.models.lora import LoraColumnParallelLinear, LoraRowParallelLinear
 from megacispo.models.softmax_attention import SoftmaxAttention, SoftmaxAttentionSubmodules
 
 
@@ -202,19 +204,33 @@ class HybridDecoderLayer(MegatronModule, BaseTransformerLayer):
 UPDATE_ONLY = ScaledResidual(0.0, 1.0)
 
 
-def local_moe_spec(num_experts: int) -> ModuleSpec:
+def local_moe_spec(num_experts: int, lora: LoraConfig | None = None) -> ModuleSpec:
     """Megatron-Core's MoE submodule spec, as its local GPT layer spec builds it (no grouped GEMM, no
     Transformer Engine), as InProcessMoELayer with SkipEmptySequentialMLP experts: the same modules,
-    parameters and checkpoint keys with cheaper forwards (models/experts.py)."""
+    parameters and checkpoint keys with cheaper forwards (models/experts.py). ``lora``: the experts'
+    linear_fc1 / linear_fc2 that it targets get adapters, each expert its own."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp
-    experts = dataclasses.replace(spec.submodules.experts, module=SkipEmptySequentialMLP)
+    linears = spec.submodules.experts.submodules
+    if lora is not None and lora.enabled:
+        linears = dataclasses.replace(
+            linears,
+            **{
+                name: ModuleSpec(module=adapted, params=params)
+                for name, adapted, params in (
+                    ("linear_fc1", LoraColumnParallelLinear, {"lora": lora, "gated": True}),
+                    ("linear_fc2", LoraRowParallelLinear, {"lora": lora}),
+                )
+                if name in lora.targets
+            },
+        )
+    experts = dataclasses.replace(spec.submodules.experts, module=SkipEmptySequentialMLP, submodules=linears)
     return dataclasses.replace(
         spec, module=InProcessMoELayer,
         submodules=dataclasses.replace(spec.submodules, experts=experts, router=PaddingMaskedTopKRouter),
     )
 
 
-def te_moe_spec(num_experts: int) -> ModuleSpec:
+def te_moe_spec(num_experts: int, lora: LoraConfig | None = None) -> ModuleSpec:
     """The MoE layer with Transformer Engine grouped experts (one grouped GEMM for all local experts;
     fc1 = [W1; W3] with SwiGLU, fc2 = W2, as SequentialMLP): Megatron's MoELayer and TEGroupedMLP as
     InProcessMoELayer and StackingTEGroupedMLP (the same parameters and keys), whose lean decode step
@@ -222,8 +238,10 @@ def te_moe_spec(num_experts: int) -> ModuleSpec:
     tokens to what FP8 GEMMs need. Its grouped linears are named by module path (Megatron's
     build_module imports them when it builds), so the spec is made without Transformer Engine.
     ``num_experts`` comes from the TransformerConfig at build time; it is taken to match
-    local_moe_spec's signature."""
+    local_moe_spec's signature. Adapters are local layers' alone (megacispo.startup refuses LoRA with
+    Transformer Engine layers)."""
     del num_experts
+    _check_no_adapters(lora, "Transformer Engine grouped experts")
     experts = ModuleSpec(
         module=StackingTEGroupedMLP,
         submodules=MLPSubmodules(
@@ -247,8 +265,8 @@ class LayerBackend:
     name: str
     column_parallel_linear: Callable
     row_parallel_linear: Callable
-    moe: Callable[[int], ModuleSpec]
-    """num_experts -> the MoE layer's spec."""
+    moe: Callable[[int, LoraConfig | None], ModuleSpec]
+    """(num_experts, lora) -> the MoE layer's spec."""
 
 
 LOCAL_BACKEND = LayerBackend(
@@ -271,28 +289,52 @@ def layer_backend(config: TransformerConfig) -> LayerBackend:
     return TRANSFORMER_ENGINE_BACKEND if config.transformer_impl == "transformer_engine" else LOCAL_BACKEND
 
 
-def mixer_spec(hybrid_config: HybridModelConfig, kind: str, backend: LayerBackend = LOCAL_BACKEND) -> ModuleSpec:
-    """The mixer of a layer kind: 'L' lightning attention, 'S' softmax attention."""
-    column, row = backend.column_parallel_linear, backend.row_parallel_linear
+def _check_no_adapters(lora: LoraConfig | None, layers: str) -> None:
+    if lora is not None and lora.enabled:
+        raise ValueError(f"lora.rank = {lora.rank}: adapters sit on local layers only, not on {layers}")
+
+
+def mixer_spec(
+    hybrid_config: HybridModelConfig, kind: str, backend: LayerBackend = LOCAL_BACKEND, lora: LoraConfig | None = None
+) -> ModuleSpec:
+    """The mixer of a layer kind: 'L' lightning attention, 'S' softmax attention; the projections that
+    ``lora`` targets get adapters (models/lora.py)."""
+
+    def projection(name: str, row_parallel: bool) -> Callable:
+        if lora is None or not lora.enabled or name not in lora.targets:
+            return backend.row_parallel_linear if row_parallel else backend.column_parallel_linear
+        if backend is not LOCAL_BACKEND:
+            _check_no_adapters(lora, f"{backend.name} linears")
+        if row_parallel:
+            return functools.partial(row_parallel_linear, linear=LoraRowParallelLinear, lora=lora)
+        return functools.partial(local_column_parallel_linear, linear=LoraColumnParallelLinear, lora=lora)
+
     if kind == LIGHTNING:
         return ModuleSpec(
             module=LightningMixer,
             params={"block_size": hybrid_config.lightning_block_size, "norm_eps": hybrid_config.lightning_norm_eps},
-            submodules=LightningMixerSubmodules(qkv_proj=column, output_gate=column, out_proj=row),
+            submodules=LightningMixerSubmodules(
+                qkv_proj=projection("qkv_proj", False), output_gate=projection("output_gate", False),
+                out_proj=projection("out_proj", True),
+            ),
         )
     qk_norm = TensorParallelRMSNorm if hybrid_config.qk_norm else None
     return ModuleSpec(
         module=SoftmaxAttention,
-        submodules=SoftmaxAttentionSubmodules(q_proj=column, k_proj=column, v_proj=column, o_proj=row,
-                                              q_norm=qk_norm, k_norm=qk_norm),
+        submodules=SoftmaxAttentionSubmodules(
+            q_proj=projection("q_proj", False), k_proj=projection("k_proj", False),
+            v_proj=projection("v_proj", False), o_proj=projection("o_proj", True), q_norm=qk_norm, k_norm=qk_norm,
+        ),
     )
 
 
 def layer_spec(
-    hybrid_config: HybridModelConfig, layer_idx: int, backend: LayerBackend = LOCAL_BACKEND, recompute: bool = False
+    hybrid_config: HybridModelConfig, layer_idx: int, backend: LayerBackend = LOCAL_BACKEND, recompute: bool = False,
+    lora: LoraConfig | None = None,
 ) -> ModuleSpec:
     """The spec of global layer ``layer_idx`` (0-based): the pattern picks its mixer and residual
-    factors, the backend its linears; ``recompute``: keep only the layer's input for backward."""
+    factors, the backend its linears, ``lora`` the linears with adapters; ``recompute``: keep only the
+    layer's input for backward."""
     mixer_alpha, mixer_beta, mlp_alpha, mlp_beta = hybrid_config.residual_factors(layer_idx)
     return ModuleSpec(
         module=HybridDecoderLayer,
@@ -301,8 +343,8 @@ def layer_spec(
             "prenorm_residual": hybrid_config.prenorm_residual, "recompute": recompute,
         },
         submodules=HybridLayerSubmodules(
-            self_attention=mixer_spec(hybrid_config, hybrid_config.layer_kind(layer_idx), backend),
-            mlp=backend.moe(hybrid_config.num_experts),
+            self_attention=mixer_spec(hybrid_config, hybrid_config.layer_kind(layer_idx), backend, lora),
+            mlp=backend.moe(hybrid_config.num_experts, lora),
         ),
     )
 
@@ -316,15 +358,17 @@ def recomputes_layer(config: TransformerConfig, stage_layer_idx: int) -> bool:
 
 
 def block_spec(
-    hybrid_config: HybridModelConfig, config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
+    hybrid_config: HybridModelConfig, config: TransformerConfig, pp_rank: int, vp_stage: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> TransformerBlockSubmodules:
-    """The layers of one pipeline stage (Megatron's split: consecutive layers) and the final norm."""
+    """The layers of one pipeline stage (Megatron's split: consecutive layers) and the final norm;
+    ``lora``: the adapters."""
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
     backend = layer_backend(config)
     return TransformerBlockSubmodules(
         layer_specs=[
-            layer_spec(hybrid_config, offset + i, backend, recomputes_layer(config, i)) for i in range(num_layers)
+            layer_spec(hybrid_config, offset + i, backend, recomputes_layer(config, i), lora) for i in range(num_layers)
         ],
         layer_norm=RMSNorm,
     )

@@ -74,6 +74,7 @@ from megacispo.models.layers import (
     weight_places,
     weights_at,
 )
+from megacispo.models.lora import adapted_linears
 
 
 def swiglu_experts(config: TransformerConfig) -> bool:
@@ -411,13 +412,16 @@ class SkipEmptySequentialMLP(SequentialMLP, StacksExpertWeights):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._expert_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._adapted = adapted_linears(self)
 
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
         """permuted_local_hidden_states [n, H], sorted by local expert; tokens_per_expert [E_local]
-        (sums to n); permuted_probs [n] the routing weight of each row. Returns ([n, H], None)."""
-        if not supports_fused_forward(self.config):
+        (sums to n); permuted_probs [n] the routing weight of each row. Returns ([n, H], None).
+        Experts with adapters run SequentialMLP's forward (their linears' adapter branch) unless the
+        adapters are merged into the weights (within a rollout)."""
+        if not supports_fused_forward(self.config) or not all(linear.adapters_merged for linear in self._adapted):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         rows = permuted_local_hidden_states
         if not torch.is_grad_enabled() and self._stacked is not None and grouped_products_take(rows, *self._stacked):

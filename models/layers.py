@@ -389,16 +389,20 @@ def stack_weights_as_views(
     return stack, replaced
 
 
-def local_column_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
+def local_column_parallel_linear(
+    config: TransformerConfig, input_size: int, output_size: int, tp_group,
+    linear: type = tensor_parallel.ColumnParallelLinear, **options,
+):
     """A ColumnParallelLinear whose input is already in the tensor-parallel region.
 
     Each mixer feeds several column-parallel projections from one input; ``enter_tensor_parallel_region``
     does the one all-gather (sequence parallel) or copy (its backward all-reduce) for all of them,
-    instead of one per projection as a plain ColumnParallelLinear would.
+    instead of one per projection as a plain ColumnParallelLinear would. ``linear``: the class, a
+    ColumnParallelLinear or a subclass (an adapted one, models/lora.py) taking ``options`` too.
     """
-    projection = tensor_parallel.ColumnParallelLinear(
+    projection = linear(
         input_size, output_size, config=config, init_method=config.init_method, bias=False,
-        gather_output=False, disable_grad_reduce=True, tp_group=tp_group,
+        gather_output=False, disable_grad_reduce=True, tp_group=tp_group, **options,
     )
     # With disable_grad_reduce the layer skips the copy and the gradient all-reduce; this also
     # skips its own sequence-parallel all-gather (tensor_parallel/layers.py:1028 passes the flag on).
@@ -406,12 +410,16 @@ def local_column_parallel_linear(config: TransformerConfig, input_size: int, out
     return projection
 
 
-def row_parallel_linear(config: TransformerConfig, input_size: int, output_size: int, tp_group):
+def row_parallel_linear(
+    config: TransformerConfig, input_size: int, output_size: int, tp_group,
+    linear: type = tensor_parallel.RowParallelLinear, **options,
+):
     """RowParallelLinear from head-split channels back to the hidden size: all-reduce, or
-    reduce-scatter along the sequence under sequence parallelism."""
-    return tensor_parallel.RowParallelLinear(
+    reduce-scatter along the sequence under sequence parallelism. ``linear``: as for
+    ``local_column_parallel_linear``."""
+    return linear(
         input_size, output_size, config=config, init_method=config.output_layer_init_method, bias=False,
-        input_is_parallel=True, skip_bias_add=True, tp_group=tp_group,
+        input_is_parallel=True, skip_bias_add=True, tp_group=tp_group, **options,
     )
 
 

@@ -67,7 +67,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from megacispo.models.compiling import code_copy
-from megacispo.models.config import SOFTMAX, HybridModelConfig
+from megacispo.models.config import SOFTMAX, HybridModelConfig, LoraConfig
 from megacispo.models.decoder_layer import block_spec
 from megacispo.models.layers import (
     AttentionStep,
@@ -79,6 +79,7 @@ from megacispo.models.layers import (
     release_rollout_tensors,
     rollout_tensor,
 )
+from megacispo.models.lora import adapted_linears
 from megacispo.models.routing import LayerRoutes, RoutingTargets, local_targets
 from megacispo.parallel.context import positions_in_documents, zigzag_positions
 from megacispo.parallel.layout import broadcast_from_last_stage
@@ -89,7 +90,7 @@ class HybridModel(LanguageModule):
 
     hybrid_config: the architecture; config: Megatron's TransformerConfig for it under the
     parallel layout (``models.config.transformer_config``); pre_process / post_process: this stage
-    holds the embedding / the final norm and LM head.
+    holds the embedding / the final norm and LM head; lora: the low-rank adapters (models/lora.py).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class HybridModel(LanguageModule):
         post_process: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         self.hybrid_config = hybrid_config
@@ -118,7 +120,7 @@ class HybridModel(LanguageModule):
         self.rotary = RotaryEmbedding(hybrid_config.rotary_dim, hybrid_config.rotary_base)
         self.decoder = TransformerBlock(
             config=config,
-            spec=block_spec(hybrid_config, config, get_pg_rank(self.pg_collection.pp), vp_stage),
+            spec=block_spec(hybrid_config, config, get_pg_rank(self.pg_collection.pp), vp_stage, lora),
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=self.pg_collection,
@@ -154,6 +156,7 @@ class HybridModel(LanguageModule):
                        for layer in self.decoder.layers)
             for agree in (False, True)
         }
+        self._adapted = adapted_linears(self)
         self._compiled_lean = None
         self._lean_dtypes: set[torch.dtype] = set()
         """The dtypes a lean decode step ran in (``decode_step``: the first one in a dtype runs eagerly)."""
@@ -367,20 +370,28 @@ class HybridModel(LanguageModule):
                 return torch.promote_types(param.dtype, torch.float32)
             return torch.promote_types(param.dtype, dtype) if dtype == torch.float32 else dtype
 
+        self._forget_stacks()
+        # First the adapted linears' merged weights, in their weights' places: the stacks below copy those.
+        swapped = []
+        for linear in self._adapted:
+            weight = linear.weight
+            kept = rollout_tensor(linear, "weight", weight.shape, target(weight), weight.device)
+            _replace_parameter(linear, "weight", kept.copy_(linear.merged_weight(kept.dtype)))
+            linear.adapters_merged = True
+            swapped.append((linear, "weight", weight))
         stacking = [module for module in self.modules() if isinstance(module, StacksWeights)]
-        stacked = {id(param) for module in stacking for param in module.stacked_parameters()}
-        swapped = [
+        unused = {id(param) for module in stacking for param in module.stacked_parameters()}
+        unused.update(id(param) for linear in self._adapted for param in (linear.lora_A, linear.lora_B))
+        cast = [
             (module, name, param)
             for module in self.modules()
             for name, param in module._parameters.items()
-            if param is not None and id(param) not in stacked and target(param) != param.dtype
+            if param is not None and id(param) not in unused and target(param) != param.dtype
         ]
-        self._forget_stacks()
-        for module, name, param in swapped:
+        for module, name, param in cast:
             kept = rollout_tensor(module, name, param.shape, target(param), param.device)
-            copy = torch.nn.Parameter(kept.copy_(param.detach()), requires_grad=False)
-            copy.__dict__.update(param.__dict__)  # Megatron's attributes (tensor_model_parallel, ...)
-            module._parameters[name] = copy
+            _replace_parameter(module, name, kept.copy_(param.detach()))
+        swapped += cast
         for module in stacking:
             swapped += module.stacking_weights(target)
         quantized = [(config, config.fp8, config.fp4) for config in self._transformer_configs()]
@@ -391,8 +402,11 @@ class HybridModel(LanguageModule):
         finally:
             for config, fp8, fp4 in quantized:
                 config.fp8, config.fp4 = fp8, fp4
-            for module, name, param in swapped:
+            # Last replaced first: a merged weight that a stack replaced goes back before the weight it replaced.
+            for module, name, param in reversed(swapped):
                 module._parameters[name] = param
+            for linear in self._adapted:
+                linear.adapters_merged = False
             self._forget_stacks()
             if not keep:
                 release_rollout_tensors(self)
@@ -663,10 +677,12 @@ class HybridModel(LanguageModule):
         """Whether a one-token decode step on ``cache`` can skip Megatron's TransformerBlock, parallel
         linears and router: the layout allows it (``_lean_step_supported``; under TP, with the MoE
         layers' dispatch-free step for the cache's rows), ``lean_decode`` is on, the GEMMs are not FP8 /
-        FP4 (within generation_dtype they never are), and nothing is recorded for autograd or depends on
-        training mode (dropout, router noise)."""
+        FP4 (within generation_dtype they never are), every adapter is merged into its weight (within
+        generation_dtype), and nothing is recorded for autograd or depends on training mode (dropout,
+        router noise)."""
         return (
             self._lean_step_supported
+            and all(linear.adapters_merged for linear in self._adapted)
             and (self._tp_size == 1 or self._moe_steps_alone[cache.rows_agree])
             and self.lean_decode
             and not (self.config.fp8 or self.config.fp4)
@@ -698,6 +714,14 @@ class HybridModel(LanguageModule):
         finally:
             for owner, name in switches:
                 setattr(owner, name, True)
+
+
+def _replace_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` in the place of ``module``'s parameter ``name`` as a frozen Parameter with the
+    replaced one's attributes (Megatron's: tensor_model_parallel, allreduce, ...)."""
+    copy = torch.nn.Parameter(tensor, requires_grad=False)
+    copy.__dict__.update(module._parameters[name].__dict__)
+    module._parameters[name] = copy
 
 
 def _default_positions(input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:

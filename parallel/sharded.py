@@ -35,11 +35,12 @@ def _flatten(sharded_state_dict) -> list:
     return [sharded_state_dict]
 
 
-def _sharded_tensors(sharded_state_dict) -> list[ShardedTensor]:
+def sharded_tensors(sharded_state_dict) -> list[ShardedTensor]:
+    """The ShardedTensors of a sharded state dict, its factories built."""
     tensors = []
     for leaf in _flatten(sharded_state_dict):
         if isinstance(leaf, ShardedTensorFactory):
-            tensors.extend(_sharded_tensors(leaf.build()))
+            tensors.extend(sharded_tensors(leaf.build()))
         elif isinstance(leaf, ShardedTensor):
             tensors.append(leaf)
     return tensors
@@ -55,7 +56,7 @@ def parameter_pieces(model: torch.nn.Module) -> list[TensorPiece]:
             global_offset=tuple(t.global_offset),
             prepend_axis_num=t.prepend_axis_num,
         )
-        for t in _sharded_tensors(model.sharded_state_dict())
+        for t in sharded_tensors(model.sharded_state_dict())
         if isinstance(t.data, torch.Tensor) and t.flattened_range is None
     ]
 
@@ -83,6 +84,14 @@ def gradient_pieces(model: torch.nn.Module) -> list[TensorPiece]:
         return parameter_pieces(model)
 
 
+def piece_index(global_offset: tuple[int, ...], prepend_axis_num: int, shape: tuple[int, ...]) -> tuple:
+    """Where a piece of ``shape`` at ``global_offset`` sits in its full tensor: an index into the full
+    tensor (the prepended axes, experts' and layers', by position; the others as slices)."""
+    return tuple(global_offset[:prepend_axis_num]) + tuple(
+        slice(offset, offset + size) for offset, size in zip(global_offset[prepend_axis_num:], shape)
+    )
+
+
 def assemble(pieces_by_rank: list[list[TensorPiece]]) -> dict[str, torch.Tensor]:
     """Rebuild full tensors from the pieces of all ranks (replicas simply write the same values)."""
     full: dict[str, torch.Tensor] = {}
@@ -91,9 +100,5 @@ def assemble(pieces_by_rank: list[list[TensorPiece]]) -> dict[str, torch.Tensor]
             if piece.key not in full:
                 full[piece.key] = torch.zeros(piece.global_shape, dtype=piece.data.dtype, device=piece.data.device)
             target = full[piece.key]
-            prepend = piece.prepend_axis_num
-            index = tuple(piece.global_offset[:prepend]) + tuple(
-                slice(offset, offset + size) for offset, size in zip(piece.global_offset[prepend:], piece.data.shape)
-            )
-            target[index] = piece.data
+            target[piece_index(piece.global_offset, piece.prepend_axis_num, piece.data.shape)] = piece.data
     return full

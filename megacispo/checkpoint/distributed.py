@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megacispo.checkpoint.formats import META_FILE, CheckpointError
 from megacispo.checkpoint.unpickling import RefusedPickle, load_weights_only, read_dcp_metadata
 from megacispo.files import flush_to_disk, fsync_path, publish_directory
-from megacispo.models.config import M1
+from megacispo.models.config import M1, is_adapter_parameter
 
 # 2: meta.json records the size of every file of the checkpoint.
 FORMAT_VERSION = 2
@@ -288,9 +288,42 @@ def _state_for_chain(current: list, saved: list[dict], state: dict) -> dict:
     return sub_states[0] if len(sub_states) == 1 else dict(enumerate(sub_states))
 
 
-def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict[str, Any]:
+# Which of the model's weights a checkpoint holds: all of them, or with adapters (lora.rank > 0) the
+# adapters alone (saved and resumed) or the base alone (the base a LoRA run starts from).
+ALL_WEIGHTS, ADAPTERS, BASE = "all", "adapters", "base"
+
+
+def adapter_rank_of(meta: dict) -> int:
+    """The lora.rank of a checkpoint's run: above 0, the checkpoint holds its adapters alone, whose
+    base is that run's train.load."""
+    return ((meta.get("config") or {}).get("lora") or {}).get("rank", 0)
+
+
+def _has_adapters(model: torch.nn.Module) -> bool:
+    return any(is_adapter_parameter(name) for name, _ in _unwrap(model).named_parameters())
+
+
+def _weights_to_load(path: Path, meta: dict, model: torch.nn.Module, optimizer) -> str:
+    """What of ``model`` the checkpoint at ``path`` fills: every weight, a LoRA run's adapters (over the base
+    the caller loaded), or a LoRA model's base (a full checkpoint, loaded without its optimizer state)."""
+    rank, adapted = adapter_rank_of(meta), _has_adapters(model)
+    if rank and not adapted:
+        raise CheckpointError(f"{path} holds LoRA adapters alone (lora.rank = {rank}), not a whole model: load it "
+                              f"over its base, with lora.rank={rank} and train.load set to the base it was trained on")
+    if rank:
+        return ADAPTERS
+    if adapted and optimizer is not None:
+        raise CheckpointError(f"{path} holds a whole model: a LoRA run loads it as its base (train.load), without "
+                              f"its optimizer state; resume it with lora.rank=0")
+    return BASE if adapted else ALL_WEIGHTS
+
+
+def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool, weights: str = ALL_WEIGHTS) -> dict:
     metadata = sharded_metadata()
     model_state = _unwrap(model).sharded_state_dict(metadata=metadata)
+    if weights != ALL_WEIGHTS:
+        model_state = {key: value for key, value in model_state.items()
+                       if is_adapter_parameter(key) == (weights == ADAPTERS)}
     state = {"model": model_state}
     if optimizer is not None:
         if is_loading:
@@ -440,7 +473,8 @@ def save_checkpoint(
                            extra_state=extra_state, config_dict=config_dict)
     # Built before anything is written: it checks the model, and the distributed optimizer
     # gathers its state here (a collective on every rank).
-    sharded_state = _sharded_state_dict(model, optimizer, is_loading=False)
+    sharded_state = _sharded_state_dict(model, optimizer, is_loading=False,
+                                        weights=ADAPTERS if _has_adapters(model) else ALL_WEIGHTS)
     root = Path(root)
     final = checkpoint_dir(root, step)
     temporary = root / f"{TEMP_PREFIX}{final.name}"
@@ -759,13 +793,19 @@ def load_checkpoint(
     same_layout = meta["world_size"] == _world_size() and meta["parallel"] == parallel_layout()
     rng_state = _read_rng(path) if load_rng and same_layout else None
 
-    loaded = _read_shards(path, _sharded_state_dict(model, optimizer, is_loading=True))
+    weights = _weights_to_load(path, meta, model, optimizer)
+    loaded = _read_shards(path, _sharded_state_dict(model, optimizer, is_loading=True, weights=weights))
     # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megacispo.checkpoint import dcp_load
 
     # Each rank holds its own piece of the weights: they agree before any rank goes on.
     _raise_agreed(dcp_load.non_finite_weight(loaded["model"], path))
-    _unwrap(model).load_state_dict(loaded["model"])
+    missing, unexpected = _unwrap(model).load_state_dict(loaded["model"], strict=weights == ALL_WEIGHTS)
+    # Loading a part: what stays unloaded is the other part (checked, as strict checks a whole load).
+    left = [key for key in missing if weights == ALL_WEIGHTS or is_adapter_parameter(key) == (weights == ADAPTERS)]
+    if left or unexpected:
+        raise CheckpointError(f"{path}: the model's {weights} weights and the checkpoint's differ: missing "
+                              f"{left[:3]}, unexpected {unexpected[:3]}")
     if optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
     if scheduler is not None:

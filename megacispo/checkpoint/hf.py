@@ -30,7 +30,7 @@ from megacispo.checkpoint.formats import dtype_name, is_hf_directory
 from megacispo.checkpoint.to_hf import write_hf_files
 from megacispo.files import staged_directory
 from megacispo.models import hf_names
-from megacispo.models.config import LIGHTNING, M2, SOFTMAX, HybridModelConfig
+from megacispo.models.config import LIGHTNING, M2, SOFTMAX, HybridModelConfig, is_adapter_parameter
 
 
 def model_tensor_shapes(config: HybridModelConfig) -> dict[str, tuple[int, ...]]:
@@ -107,8 +107,8 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     apply_factories(sharded_state)
     damaged = None
     for value in nested_values(sharded_state):
-        if not isinstance(value, ShardedTensor):
-            continue  # Megatron's extra-state objects: no weights
+        if not isinstance(value, ShardedTensor) or is_adapter_parameter(value.key):
+            continue  # Megatron's extra-state objects (no weights), LoRA adapters (not the base's)
         assert value.flattened_range is None and value.data.untyped_storage().data_ptr() in storages, (
             f"{value.key}: the sharded state dict must hand out the parameters themselves (or views of them)"
         )

@@ -43,6 +43,7 @@ from megacispo.data.tokenizer import Tokenizer
 from megacispo.envs.turns import sum_metrics
 from megacispo.evaluation.evaluator import Evaluator
 from megacispo.metrics.logger import MetricsLogger, Timer, moe_load_balance, pearson_correlation
+from megacispo.models.lora import base_fingerprint, same_base
 from megacispo.models.routing import RoutingTargets, disagreement_metrics, route_dtype
 from megacispo.parallel.layout import broadcast_from_last_stage
 from megacispo.rl import adaptive_clip
@@ -61,6 +62,7 @@ from megacispo.training.packing import PackedRow
 
 # The extra_state key of the adapted clip bounds in a checkpoint.
 ADAPTIVE_CLIP_STATE = "adaptive_clip"
+LORA_BASE_STATE = "lora_base"
 # What a SIGTERM line says when the stop comes before a fresh run's first step completes.
 NOTHING_TRAINED = "nothing was trained, so nothing was saved"
 
@@ -773,7 +775,8 @@ class Trainer:
         save_checkpoint(
             checkpoint_root(self.config), self.step, self.engine.module, self.engine.optimizer, self.engine.scheduler,
             extra_state={"sampler": self.sampler.state_dict(), "consumed_samples": self.consumed_samples,
-                         "num_skipped_updates": self.num_skipped_updates, **self._adaptive_clip_state()},
+                         "num_skipped_updates": self.num_skipped_updates, **self._adaptive_clip_state(),
+                         **self._lora_base_state()},
             config_dict=to_dict(self.config), keep_last=self.config.train.keep_last,
         )
         self._saved_step = self.step
@@ -781,7 +784,11 @@ class Trainer:
     def start(self, plan: RunStart) -> None:
         """Load what ``check_start`` checked: the newest of the run's checkpoints that loads (passing over
         those that do not verify, and those whose shards do not read back), or for a fresh start
-        train.load's weights. CheckpointError, on every rank alike, when none loads."""
+        train.load's weights. CheckpointError, on every rank alike, when none loads. A LoRA run's checkpoints
+        hold its adapters alone: the base (train.load) is loaded first, either way."""
+        if self.config.lora.enabled:
+            self.load_initial_weights()
+            self._base_fingerprint = base_fingerprint(self.engine.module)
         for path, problem in reversed(plan.checkpoints.items()):
             if problem is None:
                 try:
@@ -796,7 +803,8 @@ class Trainer:
                                   f"them away to start afresh.")
         if plan.resuming:
             self._say(f"--resume: no checkpoint under {checkpoint_root(self.config)}; starting afresh")
-        self.load_initial_weights()
+        if not self.config.lora.enabled:
+            self.load_initial_weights()
 
     def load_initial_weights(self) -> None:
         """The weights a fresh run starts from: train.load (e.g. the SFT checkpoint, or a Hugging Face
@@ -807,6 +815,8 @@ class Trainer:
     def _resume_from(self, path: Path) -> None:
         meta = load_checkpoint(path, self.engine.module, self.engine.optimizer, self.engine.scheduler)
         extra = meta["extra_state"]
+        if self.config.lora.enabled:
+            self._check_lora_base(path, extra[LORA_BASE_STATE])
         self.step = self._saved_step = meta["step"]
         self.sampler.load_state_dict(extra["sampler"])
         self.consumed_samples = extra["consumed_samples"]
@@ -816,6 +826,21 @@ class Trainer:
             dropped = adaptive_clip.restore(self.adaptive_clip, extra[ADAPTIVE_CLIP_STATE])
             if dropped is not None:
                 self._say(f"--resume: {dropped}")
+
+    def _lora_base_state(self) -> dict[str, dict[str, object]]:
+        """The checkpoint's extra_state entry naming the base its adapters were trained on; empty without LoRA."""
+        if not self.config.lora.enabled:
+            return {}
+        return {LORA_BASE_STATE: {"train.load": str(self.config.train.load), "fingerprint": self._base_fingerprint}}
+
+    def _check_lora_base(self, path: Path, saved: dict) -> None:
+        """The adapters at ``path`` were trained on the base this run loaded (train.load)."""
+        if not same_base(saved["fingerprint"], self._base_fingerprint):
+            raise CheckpointError(
+                f"{path} holds adapters trained on another base: train.load = {self.config.train.load} has weights "
+                f"of fingerprint {self._base_fingerprint}, the adapters' base {saved['train.load']} had "
+                f"{saved['fingerprint']}; set train.load={saved['train.load']}"
+            )
 
     def _adaptive_clip_state(self) -> dict[str, dict[str, object]]:
         """The checkpoint's extra_state entry of the adapted bounds; empty when they are fixed."""

@@ -24,6 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megacispo.config import Config
 from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig, transformer_config
+from megacispo.models.lora import freeze_base, init_adapters
 from megacispo.models.model import HybridModel
 from megacispo.parallel.layout import ParallelConfig, run_device
 from megacispo.parallel.vocab_parallel import lm_head_input, lm_head_logprobs
@@ -88,8 +89,12 @@ class Engine:
             self.megatron_config,
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
+            lora=config.lora,
         )
-        if config.model.freeze_router:
+        if config.lora.enabled:
+            freeze_base(module)
+            init_adapters(module, config.train.seed)
+        elif config.model.freeze_router:
             freeze_routers(module)
         bf16 = self.megatron_config.bf16
         self.model = DistributedDataParallel(

@@ -41,10 +41,13 @@ def forward_backward(ddp_model, tokens: torch.Tensor, num_microbatches: int, for
     }
 
 
-def tiny_ddp_model(layout: dict, load_dir: str | None = None, save_dir: str | None = None, **config_options):
+def tiny_ddp_model(layout: dict, load_dir: str | None = None, save_dir: str | None = None, lora=None,
+                   **config_options):
     """This rank's tiny model at ``layout`` (ParallelConfig's fields; torch.distributed started here) in
     Megatron DDP, with its model config and TransformerConfig (``config_options``: transformer_config's):
-    its weights loaded from ``load_dir`` (a dist checkpoint), or saved to ``save_dir`` as they start."""
+    its weights loaded from ``load_dir`` (a dist checkpoint), or saved to ``save_dir`` as they start.
+    ``lora``: a LoraConfig, whose adapters alone train; saved with B drawn at random (std 0.05), so that
+    every adapter gets a gradient."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -60,7 +63,17 @@ def tiny_ddp_model(layout: dict, load_dir: str | None = None, save_dir: str | No
     model = HybridModel(
         model_cfg, config,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        lora=lora,
     )
+    if lora is not None:
+        from megacispo.models.lora import freeze_base
+
+        freeze_base(model)
+        if save_dir is not None:
+            generator = torch.Generator().manual_seed(5)
+            for name, param in model.named_parameters():
+                if name.endswith(("lora_A", "lora_B")):
+                    param.data.normal_(0.0, 0.05, generator=generator)
     if load_dir is not None:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), load_dir))
     if save_dir is not None:
