@@ -389,8 +389,8 @@ def _check_rollout_engine(config: Config) -> None:
 
 
 def _check_lora(config: Config) -> None:
-    """LoRA: targets the model has, a rank below their dimensions, a base to adapt (train.load), and none
-    of the features that do not carry adapters yet."""
+    """LoRA: targets the model has, a rank below their dimensions, a base to adapt (train.load), and local
+    layers (not Transformer Engine's)."""
     lora = config.lora
     lora.check_model(config.model)
     if not lora.enabled:
@@ -399,19 +399,11 @@ def _check_lora(config: Config) -> None:
     if not config.train.load:
         raise ValueError(f"{field} trains adapters on a frozen base, but train.load is unset: set train.load to the "
                          "base (a megacispo checkpoint or a Hugging Face directory), or lora.rank=0")
-    refused = [  # (field, its value, the value that works with adapters, why)
-        ("precision.fp8", config.precision.fp8, None,
-         "adapters sit on Megatron's local linears, not Transformer Engine's"),
-        ("precision.use_transformer_engine", config.precision.use_transformer_engine, False,
-         "adapters sit on Megatron's local linears, not Transformer Engine's"),
-        ("rollout.engine", config.rollout.engine, "megacispo", "vLLM's weight sync sends whole weights, not adapters"),
-        ("placement.rollout_ranks", config.placement.rollout_ranks, 0,
-         "the rollout processes' weight sync sends whole weights, not adapters"),
-    ]
-    for name, value, works, why in refused:
-        if value != works:
-            shown = "null" if works is None else str(works).lower() if isinstance(works, bool) else works
-            raise ValueError(f"{field} with {name} = {value}: {why}; set {name}={shown} or lora.rank=0")
+    precision = config.precision
+    if precision.transformer_engine:
+        raise ValueError(f"{field} with precision.fp8 = {precision.fp8} and precision.use_transformer_engine = "
+                         f"{precision.use_transformer_engine}: adapters sit on Megatron's local linears, not Transformer "
+                         "Engine's; set precision.fp8=null and precision.use_transformer_engine=false, or lora.rank=0")
 
 
 def _check_vllm_layout(config: Config, world_size: int) -> None:

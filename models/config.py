@@ -466,6 +466,7 @@ LORA_LIGHTNING_TARGETS = ("qkv_proj", "output_gate", "out_proj")
 LORA_SOFTMAX_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 LORA_TARGETS = LORA_LIGHTNING_TARGETS + LORA_SOFTMAX_TARGETS + LORA_EXPERT_TARGETS
+ALL_LINEAR = "all-linear"  # every target the model has (PEFT's name for it)
 
 
 @dataclass(kw_only=True)
@@ -480,9 +481,10 @@ class LoraConfig:
     """The update's scale is alpha / rank."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training (rollouts and scoring run without it)."""
-    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    targets: list[str] = field(default_factory=lambda: [ALL_LINEAR])
     """The linears that get adapters, by module name: qkv_proj, output_gate, out_proj (lightning
-    layers), q_proj, k_proj, v_proj, o_proj (softmax layers), linear_fc1, linear_fc2 (experts)."""
+    layers), q_proj, k_proj, v_proj, o_proj (softmax layers), linear_fc1, linear_fc2 (experts); all-linear:
+    every one the model has."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -504,12 +506,16 @@ class LoraConfig:
             return
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout = {self.dropout}: use a probability in [0, 1).")
-        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        unknown = sorted(set(self.targets) - {*LORA_TARGETS, ALL_LINEAR})
         if unknown or not self.targets:
             raise ValueError(
-                f"lora.targets = {self.targets!r}: {unknown or 'empty'}; choose a non-empty list of "
+                f"lora.targets = {self.targets!r}: {unknown or 'empty'}; choose [{ALL_LINEAR}] or a non-empty list of "
                 f"{', '.join(LORA_TARGETS)} (the router, the norms, the embedding and the LM head take no adapters)."
             )
+
+    def adapts(self, target: str) -> bool:
+        """Whether the linears named ``target`` (a LORA_TARGETS name) get adapters."""
+        return self.enabled and (target in self.targets or ALL_LINEAR in self.targets)
 
     def check_model(self, config: HybridModelConfig) -> None:
         """Every target names a linear the model has, and the rank is below every adapted layer's
@@ -517,13 +523,13 @@ class LoraConfig:
         if not self.enabled:
             return
         dims = lora_target_dims(config)
-        absent = [target for target in self.targets if target not in dims]
+        absent = [target for target in self.targets if target not in dims and target != ALL_LINEAR]
         if absent:
             raise ValueError(
                 f"lora.targets = {self.targets!r}: {absent} name no layer of this {config.family} model (its "
                 f"linears: {', '.join(dims)}); remove them."
             )
-        for target in self.targets:
+        for target in [target for target in dims if self.adapts(target)]:
             in_features, out_features = dims[target]
             if self.rank >= min(in_features, out_features):
                 raise ValueError(

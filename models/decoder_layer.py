@@ -211,7 +211,7 @@ def local_moe_spec(num_experts: int, lora: LoraConfig | None = None) -> ModuleSp
     linear_fc1 / linear_fc2 that it targets get adapters, each expert its own."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp
     linears = spec.submodules.experts.submodules
-    if lora is not None and lora.enabled:
+    if lora is not None:
         linears = dataclasses.replace(
             linears,
             **{
@@ -220,7 +220,7 @@ def local_moe_spec(num_experts: int, lora: LoraConfig | None = None) -> ModuleSp
                     ("linear_fc1", LoraColumnParallelLinear, {"lora": lora, "gated": True}),
                     ("linear_fc2", LoraRowParallelLinear, {"lora": lora}),
                 )
-                if name in lora.targets
+                if lora.adapts(name)
             },
         )
     experts = dataclasses.replace(spec.submodules.experts, module=SkipEmptySequentialMLP, submodules=linears)
@@ -301,7 +301,7 @@ def mixer_spec(
     ``lora`` targets get adapters (models/lora.py)."""
 
     def projection(name: str, row_parallel: bool) -> Callable:
-        if lora is None or not lora.enabled or name not in lora.targets:
+        if lora is None or not lora.adapts(name):
             return backend.row_parallel_linear if row_parallel else backend.column_parallel_linear
         if backend is not LOCAL_BACKEND:
             _check_no_adapters(lora, f"{backend.name} linears")

@@ -372,13 +372,9 @@ class HybridModel(LanguageModule):
 
         self._forget_stacks()
         # First the adapted linears' merged weights, in their weights' places: the stacks below copy those.
-        swapped = []
-        for linear in self._adapted:
-            weight = linear.weight
-            kept = rollout_tensor(linear, "weight", weight.shape, target(weight), weight.device)
-            _replace_parameter(linear, "weight", kept.copy_(linear.merged_weight(kept.dtype)))
-            linear.adapters_merged = True
-            swapped.append((linear, "weight", weight))
+        swapped = self._merge_adapters(
+            lambda linear, weight: rollout_tensor(linear, "weight", weight.shape, target(weight), weight.device)
+        )
         stacking = [module for module in self.modules() if isinstance(module, StacksWeights)]
         unused = {id(param) for module in stacking for param in module.stacked_parameters()}
         unused.update(id(param) for linear in self._adapted for param in (linear.lora_A, linear.lora_B))
@@ -402,14 +398,42 @@ class HybridModel(LanguageModule):
         finally:
             for config, fp8, fp4 in quantized:
                 config.fp8, config.fp4 = fp8, fp4
-            # Last replaced first: a merged weight that a stack replaced goes back before the weight it replaced.
-            for module, name, param in reversed(swapped):
-                module._parameters[name] = param
-            for linear in self._adapted:
-                linear.adapters_merged = False
+            self._put_back(swapped)
             self._forget_stacks()
             if not keep:
                 release_rollout_tensors(self)
+
+    @contextlib.contextmanager
+    def merged_adapters(self) -> Iterator[None]:
+        """Within the block each adapted linear's weight is its merged weight ``W + s B A`` (in W's dtype) and
+        its adapter is skipped: the weights that a rollout engine holding no adapters loads (vLLM's weight
+        sync). The weights are put back on exit, untouched."""
+        swapped = self._merge_adapters(lambda linear, weight: torch.empty_like(weight))
+        try:
+            yield
+        finally:
+            self._put_back(swapped)
+
+    def _merge_adapters(self, destination) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        """Put each adapted linear's merged weight in its weight's place, written into
+        ``destination(linear, weight)`` (and cast to its dtype), with its adapter marked merged. Returns the
+        (module, name, weight) replaced, to put back."""
+        swapped = []
+        for linear in self._adapted:
+            weight = linear.weight
+            merged = destination(linear, weight)
+            _replace_parameter(linear, "weight", merged.copy_(linear.merged_weight(merged.dtype)))
+            linear.adapters_merged = True
+            swapped.append((linear, "weight", weight))
+        return swapped
+
+    def _put_back(self, swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]) -> None:
+        """Undo the replacements ``swapped`` lists, the last first (a merged weight that a stack replaced goes
+        back before the weight it replaced), and unmark the adapters."""
+        for module, name, param in reversed(swapped):
+            module._parameters[name] = param
+        for linear in self._adapted:
+            linear.adapters_merged = False
 
     def _transformer_configs(self) -> list[TransformerConfig]:
         """The distinct TransformerConfig objects of the model's modules (Megatron reads flags from them)."""

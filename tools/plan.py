@@ -113,6 +113,24 @@ layers' bf16 keys and values for 1.25 L positions (megacispo.rollout.generate.sl
 layers' fp32 [heads/TP, d, d] states, and the [N, V] logits with the sampler's copies (24 bytes a
 number). Rollouts run between updates: the weights, gradients, optimizer states and overhead stay
 resident, the training activations do not. The exit status also says whether that fits.
+
+LoRA (--lora-rank r, --lora-targets; the run config's lora section, models/lora.py): the base
+weights are frozen and stay, bf16, as above; each targeted linear W [out, in] gets A [r, in] and
+B [out, r], bf16. Column-parallel linears (qkv_proj, output_gate, q/k/v_proj, the experts'
+linear_fc1) split B over TP like W's rows and keep A whole on every TP rank; row-parallel ones
+(out_proj, o_proj, linear_fc2) split A like W's columns and keep B whole. The experts' adapters are
+their own (E / EP experts' on each GPU), split over expert TP as their weights are. Only the
+adapters train: the fp32 gradient buffer (4 bytes) and the optimizer states (12 bytes, sharded as
+above: mixer adapters over DP x CP, expert adapters over expert DP) count the adapters' parameters,
+nothing for the frozen base (Megatron's DDP and optimizer skip parameters without requires_grad).
+Activations add, per adapted linear and micro-batch, the bf16 product A x that B's backward needs:
+[T, r] for a mixer's column-parallel projection (its input is all-gathered over TP), [T/SP, r] after
+a row-parallel one's reduction over TP, [k e T/SP, r] for an expert linear (one row per routed
+copy); the adapters' input is the tensor W's product already keeps (lora.dropout = 0 assumed: a
+dropout would keep a masked copy of each input). Adapters run on Megatron's local linears, not
+Transformer Engine's, so LoRA plans bf16 GEMMs only (--precision fp8 is refused, as at start-up).
+A rollout multiplies the merged weights W + s B A, a bf16 copy of every adapted weight made for the
+rollout (HybridModel.generation_dtype): the rollout line adds it to the resident memory.
 """
 
 from __future__ import annotations
@@ -124,10 +142,16 @@ from dataclasses import dataclass
 
 from megacispo.models.config import (
     LIGHTNING,
+    LORA_EXPERT_TARGETS,
+    LORA_LIGHTNING_TARGETS,
+    LORA_SOFTMAX_TARGETS,
+    LORA_TARGETS,
     MODEL_SIZES,
     RECOMPUTE_GRANULARITIES,
     SOFTMAX,
     HybridModelConfig,
+    LoraConfig,
+    lora_target_dims,
     model_config,
     model_shape,
 )
@@ -147,6 +171,9 @@ OPTIMIZER_BYTES = 12  # fp32 master weight, Adam m, Adam v
 ACTIVATION_BYTES = 2  # bf16
 FP32 = 4
 DEFAULT_OVERHEAD_GIB = 5.0
+# LoRA targets on row-parallel linears (W split by input columns over TP: the adapter splits A); the
+# other targets are column-parallel (W split by output rows: the adapter splits B).
+LORA_ROW_PARALLEL = ("out_proj", "o_proj", "linear_fc2")
 
 
 @dataclass(frozen=True)
@@ -175,6 +202,13 @@ class StageParams:
     def total(self) -> int:
         return self.dense + self.expert
 
+    def __add__(self, other: StageParams) -> StageParams:
+        return StageParams(dense=self.dense + other.dense, expert=self.expert + other.expert,
+                           gemm=self.gemm + other.gemm)
+
+
+NO_PARAMS = StageParams(dense=0, expert=0, gemm=0)
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -189,7 +223,13 @@ class MemoryPlan:
     first_layer: int
     """Global index of the stage's first layer."""
     params: StageParams
-    """Parameters per GPU."""
+    """Parameters per GPU (the base model's; frozen under LoRA)."""
+    lora_rank: int
+    """The adapters' rank; 0: no LoRA, every parameter trains."""
+    adapters: StageParams
+    """LoRA's A and B per GPU (dense: the mixers', expert: the experts'); none without LoRA."""
+    adapted: StageParams
+    """The base weights per GPU that adapters sit on (a rollout's merged copies); none without LoRA."""
     data_parallel_size: int
     """DP = world / (TP x PP x CP), ParallelConfig.data_parallel_size."""
     context_parallel_size: int
@@ -215,6 +255,11 @@ class MemoryPlan:
     """Stage-level activations of one micro-batch (RoPE tables, pipeline boundaries, final norm, LM head)."""
 
     @property
+    def trainable(self) -> StageParams:
+        """The parameters with gradients and optimizer states: the adapters under LoRA, else all."""
+        return self.adapters if self.lora_rank else self.params
+
+    @property
     def total(self) -> int:
         return (self.weights + self.fp8_weight_cache + self.gradients + self.optimizer_states + self.activations
                 + self.overhead)
@@ -237,6 +282,8 @@ class _Dims:
     row_len: int  # a sequence's tokens, padded to a multiple of 2 CP under context parallelism
     micro_batch: int
     gemm_input_bytes: int
+    lora_rank: int  # 0: no adapters
+    lora_targets: tuple[str, ...]
 
     @property
     def local_len(self) -> int:
@@ -247,6 +294,13 @@ class _Dims:
     def tokens(self) -> int:
         """T: the micro-batch's tokens on this rank."""
         return self.micro_batch * self.local_len
+
+    @property
+    def routed_copies(self) -> float:
+        """Rows of the expert input on this GPU: each local token (T / SP) is sent to k experts; after
+        the all-to-all over EP (balanced routing) and the all-gather over expert TP a GPU computes its
+        1/ETP slice of k * ETP copies per local token."""
+        return self.tokens / self.sp * self.model.moe_router_topk * self.etp
 
     @property
     def width(self) -> int:
@@ -290,19 +344,54 @@ def layer_params(model: HybridModelConfig, kind: str, tp: int, ep: int, etp: int
     return StageParams(dense=mixer + replicated, expert=expert, gemm=projections + expert)
 
 
+def layer_adapters(model: HybridModelConfig, kind: str, lora: LoraConfig, tp: int, ep: int,
+                   etp: int) -> tuple[StageParams, StageParams]:
+    """LoRA on one GPU of one layer of ``kind``: (the adapters' A and B, the base weights they sit on),
+    each split into dense (the mixer's projections, over TP) and expert (E / EP experts' own, over
+    expert TP). A column-parallel linear's adapter splits B, a row-parallel one's A."""
+    dims = lora_target_dims(model)
+    mixer_targets = LORA_LIGHTNING_TARGETS if kind == LIGHTNING else LORA_SOFTMAX_TARGETS
+    counts = {"dense": [0, 0], "expert": [0, 0]}  # [adapters, adapted weights]
+    for target in lora.targets:
+        if target in LORA_EXPERT_TARGETS:
+            part, copies, split = "expert", model.num_experts // ep, etp
+        elif target in mixer_targets:
+            part, copies, split = "dense", 1, tp
+        else:
+            continue  # the other mixer kind's projection
+        in_features, out_features = dims[target]
+        if target in LORA_ROW_PARALLEL:
+            a, b = lora.rank * in_features // split, out_features * lora.rank
+        else:
+            a, b = lora.rank * in_features, out_features // split * lora.rank
+        counts[part][0] += copies * (a + b)
+        counts[part][1] += copies * in_features * out_features // split
+    (dense, dense_weights), (expert, expert_weights) = counts["dense"], counts["expert"]
+    return (StageParams(dense=dense, expert=expert, gemm=0),
+            StageParams(dense=dense_weights, expert=expert_weights, gemm=dense_weights + expert_weights))
+
+
 def stage_params(model: HybridModelConfig, parallel: ParallelConfig, stage: int) -> StageParams:
     """Parameters one GPU of pipeline ``stage`` holds."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    dense = expert = gemm = 0
-    for layer in stage_layers(model, pp, stage):
-        part = layer_params(model, model.layer_kind(layer), tp, parallel.expert_model_parallel_size, parallel.expert_tp)
-        dense, expert, gemm = dense + part.dense, expert + part.expert, gemm + part.gemm
+    params = sum((layer_params(model, model.layer_kind(layer), tp, parallel.expert_model_parallel_size,
+                               parallel.expert_tp) for layer in stage_layers(model, pp, stage)), NO_PARAMS)
     vocab_shard = -(-model.vocab_size // tp) * model.hidden_size
     if stage == 0:
-        dense += vocab_shard  # embedding
+        params += StageParams(dense=vocab_shard, expert=0, gemm=0)  # embedding
     if stage == pp - 1:
-        dense += model.hidden_size + vocab_shard  # final RMSNorm, LM head
-    return StageParams(dense=dense, expert=expert, gemm=gemm)
+        params += StageParams(dense=model.hidden_size + vocab_shard, expert=0, gemm=0)  # final RMSNorm, LM head
+    return params
+
+
+def stage_adapters(model: HybridModelConfig, parallel: ParallelConfig, stage: int,
+                   lora: LoraConfig) -> tuple[StageParams, StageParams]:
+    """LoRA on one GPU of pipeline ``stage``: (the adapters, the base weights they sit on), as
+    ``layer_adapters`` counts them for each of its layers."""
+    layers = [layer_adapters(model, model.layer_kind(layer), lora, parallel.tensor_model_parallel_size,
+                             parallel.expert_model_parallel_size, parallel.expert_tp)
+              for layer in stage_layers(model, parallel.pipeline_model_parallel_size, stage)]
+    return sum((a for a, _ in layers), NO_PARAMS), sum((w for _, w in layers), NO_PARAMS)
 
 
 def _common_items(dims: _Dims) -> list[ActivationItem]:
@@ -372,10 +461,7 @@ def _softmax_items(dims: _Dims) -> list[ActivationItem]:
 def _moe_items(dims: _Dims) -> list[ActivationItem]:
     model, a, g = dims.model, ACTIVATION_BYTES, dims.gemm_input_bytes
     hidden, ffn, topk, experts = model.hidden_size, model.moe_ffn_hidden_size, model.moe_router_topk, model.num_experts
-    local_tokens = dims.tokens / dims.sp
-    # Each local token is sent to k experts; after the all-to-all over EP (balanced routing) and the
-    # all-gather over expert TP a GPU computes its 1/ETP slice of k * ETP copies per local token.
-    copies = local_tokens * topk * dims.etp
+    local_tokens, copies = dims.tokens / dims.sp, dims.routed_copies
     router_input = local_tokens * a * hidden
     routing = local_tokens * (28 * topk + 9 * experts)  # int64 ids x2 + fp32 probs; fp32 scores, bool map + fp32 probs
     expert_input = copies * g * hidden
@@ -390,10 +476,28 @@ def _moe_items(dims: _Dims) -> list[ActivationItem]:
     ]
 
 
+def _lora_items(dims: _Dims, kind: str) -> list[ActivationItem]:
+    """What a layer's adapters add (none without LoRA): each adapted linear keeps its bf16 [rows, r]
+    product A x for B's backward, with the rows of the tensor it is in: T for a mixer's
+    column-parallel projection (all-gathered input), T / SP after a row-parallel one's reduction, the
+    routed copies for an expert linear. Their input is the one W's product keeps."""
+    if not dims.lora_rank:
+        return []
+    mixer_targets = LORA_LIGHTNING_TARGETS if kind == LIGHTNING else LORA_SOFTMAX_TARGETS
+    rows = 0.0
+    for target in dims.lora_targets:
+        if target in LORA_EXPERT_TARGETS:
+            rows += dims.routed_copies
+        elif target in mixer_targets:
+            rows += dims.tokens / dims.sp if target in LORA_ROW_PARALLEL else dims.tokens
+    kept = rows * ACTIVATION_BYTES * dims.lora_rank
+    return [ActivationItem(f"LoRA: adapters' A x (rank {dims.lora_rank})", kept, kept)] if rows else []
+
+
 def layer_activation_items(dims: _Dims, kind: str) -> tuple[ActivationItem, ...]:
     """What one layer of ``kind`` keeps for the backward, for one micro-batch."""
     mixer = _lightning_items(dims) if kind == LIGHTNING else _softmax_items(dims)
-    return tuple(_common_items(dims) + mixer + _moe_items(dims))
+    return tuple(_common_items(dims) + mixer + _moe_items(dims) + _lora_items(dims, kind))
 
 
 def _stage_items(
@@ -451,7 +555,7 @@ def _stage_activations(
 
 
 def _check_arguments(micro_batch: int, seq_len: int, recompute: str, precision: str,
-                     num_microbatches: int | None) -> None:
+                     num_microbatches: int | None, lora: LoraConfig | None) -> None:
     if micro_batch < 1:
         raise ValueError(f"micro_batch = {micro_batch}: it must be at least 1 sequence.")
     if seq_len < 1:
@@ -462,6 +566,9 @@ def _check_arguments(micro_batch: int, seq_len: int, recompute: str, precision: 
         raise ValueError(f"precision = {precision!r}: choose one of {', '.join(PRECISIONS)}.")
     if num_microbatches is not None and num_microbatches < 1:
         raise ValueError(f"num_microbatches = {num_microbatches}: it must be at least 1 (or None: at least PP).")
+    if lora is not None and lora.enabled and precision == "fp8":
+        raise ValueError(f"lora.rank = {lora.rank} with precision = 'fp8': adapters sit on Megatron's local linears, "
+                         "not Transformer Engine's (and so not under FP8); plan precision bf16, or lora.rank 0")
 
 
 def stage_plans(
@@ -478,22 +585,30 @@ def stage_plans(
     num_microbatches: int | None = None,
     overhead_bytes: int = int(DEFAULT_OVERHEAD_GIB * GIB),
     capacity_bytes: int = 80 * GIB,
+    lora: LoraConfig | None = None,
 ) -> list[MemoryPlan]:
     """The memory plan of every pipeline stage (see the module docstring for the accounting).
 
     num_microbatches: micro-batches per optimizer step and data-parallel rank; None assumes at
     least PP (1F1B's steady state). Context parallelism is parallel.context_parallel_size (CP, the
-    ranks each sequence is split over; world_size = TP x PP x CP x DP). Raises ValueError for an
-    impossible layout (validate_layout's message) or a bad argument.
+    ranks each sequence is split over; world_size = TP x PP x CP x DP). lora: LoRA's adapters on a
+    frozen base (None or rank 0: every parameter trains). Raises ValueError for an impossible layout
+    (validate_layout's message) or a bad argument (LoraConfig.check_model's for adapters the model
+    cannot take).
     """
-    _check_arguments(micro_batch, seq_len, recompute, precision, num_microbatches)
+    _check_arguments(micro_batch, seq_len, recompute, precision, num_microbatches, lora)
     validate_layout(parallel, world_size, model_shape(model))
+    if lora is not None and not lora.enabled:
+        lora = None
+    if lora is not None:
+        lora.check_model(model)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     cp = parallel.context_parallel_size
     dims = _Dims(
         model=model, tp=tp, etp=parallel.expert_tp, sp=tp if parallel.sequence_parallel else 1,
         cp=cp, ring=parallel.context_parallel_comm == "p2p", row_len=row_length(seq_len, cp), micro_batch=micro_batch,
         gemm_input_bytes=1 if precision == "fp8" else ACTIVATION_BYTES,
+        lora_rank=lora.rank if lora else 0, lora_targets=tuple(lora.targets) if lora else (),
     )
     dp = parallel.data_parallel_size(world_size)
     # Megatron-Core's data-parallel group with CP: the gradients reduce, and the optimizer shards, over DP x CP.
@@ -505,18 +620,21 @@ def stage_plans(
         layers = stage_layers(model, pp, stage)
         kinds = "".join(model.layer_kind(i) for i in layers)
         params = stage_params(model, parallel, stage)
+        adapters, adapted = stage_adapters(model, parallel, stage, lora) if lora else (NO_PARAMS, NO_PARAMS)
+        trainable = adapters if lora else params
         in_flight = min(pp - stage, num_microbatches or pp)
         items = _stage_items(dims, stage, kinds, pp, fused_lm_head)
         optimizer_shards = (dp_with_cp, expert_dp) if distributed_optimizer else (1, 1)
         plans.append(MemoryPlan(
             stage=stage, num_stages=pp, layer_kinds=kinds, first_layer=layers.start, params=params,
+            lora_rank=lora.rank if lora else 0, adapters=adapters, adapted=adapted,
             data_parallel_size=dp, context_parallel_size=cp, expert_data_parallel_size=expert_dp,
             distributed_optimizer=distributed_optimizer, micro_batches_in_flight=in_flight,
-            weights=WEIGHT_BYTES * params.total,
+            weights=WEIGHT_BYTES * (params.total + adapters.total),
             fp8_weight_cache=FP8_WEIGHT_CACHE_BYTES * params.gemm if precision == "fp8" else 0,
-            gradients=GRAD_BYTES * params.total,
-            optimizer_states=math.ceil(OPTIMIZER_BYTES * (params.dense / optimizer_shards[0]
-                                                         + params.expert / optimizer_shards[1])),
+            gradients=GRAD_BYTES * trainable.total,
+            optimizer_states=math.ceil(OPTIMIZER_BYTES * (trainable.dense / optimizer_shards[0]
+                                                         + trainable.expert / optimizer_shards[1])),
             activations=_stage_activations(dims, kinds, layer_items, items, recompute, in_flight),
             overhead=overhead_bytes, capacity=capacity_bytes,
             layer_items={kind: layer_items[kind] for kind in sorted(set(kinds))}, stage_items=items,
@@ -586,12 +704,16 @@ def rollout_bytes(model: HybridModelConfig, parallel: ParallelConfig, slots: int
 
 def rollout_summary(plan: MemoryPlan, cache_bytes: int, slots: int, max_length: int) -> tuple[str, bool]:
     """The rollout line of the report for ``plan``'s stage, and whether the rollout fits: the cache
-    next to what stays resident between updates (weights, gradients, optimizer states, overhead)."""
+    next to what stays resident between updates (weights, gradients, optimizer states, overhead) and,
+    under LoRA, the merged weights W + s B A the rollout multiplies (a bf16 copy of each adapted weight)."""
     resident = plan.weights + plan.fp8_weight_cache + plan.gradients + plan.optimizer_states + plan.overhead
-    total = resident + cache_bytes
+    merged = WEIGHT_BYTES * plan.adapted.total
+    total = resident + merged + cache_bytes
     fits = total <= plan.capacity
+    with_merged = f", LoRA's merged weights {gib(merged)}" if merged else ""
     line = (f"rollout: {slots} slots x {max_length} tokens: cache {gib(cache_bytes)} per GPU; with the resident "
-            f"{gib(resident)}: {gib(total)} of {gib(plan.capacity)}: " + ("fits" if fits else "DOES NOT FIT"))
+            f"{gib(resident)}{with_merged}: {gib(total)} of {gib(plan.capacity)}: "
+            + ("fits" if fits else "DOES NOT FIT"))
     return line, fits
 
 
@@ -623,7 +745,7 @@ def mib(num_bytes: float) -> str:
 
 def summary(plan: MemoryPlan, all_stages: list[MemoryPlan] | None = None) -> str:
     """The readable report: the worst stage's components, its activation items, every stage's total."""
-    params = plan.params
+    params, adapters, trainable = plan.params, plan.adapters, plan.trainable
     last_layer = plan.first_layer + len(plan.layer_kinds) - 1
     holds = [name for name, present in (("embedding", plan.stage == 0), ("LM head", plan.stage == plan.num_stages - 1))
              if present]
@@ -632,15 +754,23 @@ def summary(plan: MemoryPlan, all_stages: list[MemoryPlan] | None = None) -> str
         f"{plan.layer_kinds.count(LIGHTNING)} lightning, {plan.layer_kinds.count(SOFTMAX)} softmax"
         + (f"; {', '.join(holds)}" if holds else "") + ")",
         f"  parameters per GPU  {params.total:>14,}  ({human(params.total)}: dense {human(params.dense)}, "
-        f"expert {human(params.expert)})",
+        f"expert {human(params.expert)})" + (" frozen" if plan.lora_rank else ""),
+    ]
+    if plan.lora_rank:
+        lines.append(f"  LoRA adapters       {adapters.total:>14,}  ({human(adapters.total)}: dense "
+                     f"{human(adapters.dense)}, expert {human(adapters.expert)}; rank {plan.lora_rank} on "
+                     f"{human(plan.adapted.total)} weights) trained")
+    lines += [
         f"  weights             {gib(plan.weights):>12}  (bf16, 2 bytes/param)",
     ]
     if plan.fp8_weight_cache:
         lines.append(f"  fp8 weight cache    {gib(plan.fp8_weight_cache):>12}  (TE's fp8 copy and transpose of the "
                      f"{human(params.gemm)} GEMM weights)")
     lines += [
-        f"  gradients           {gib(plan.gradients):>12}  (fp32 buffer, 4 bytes/param)",
-        f"  optimizer states    {gib(plan.optimizer_states):>12}  (fp32 master + Adam m, v = 12 bytes/param; "
+        f"  gradients           {gib(plan.gradients):>12}  (fp32 buffer, 4 bytes/param"
+        + (f" of the {human(trainable.total)} adapter params)" if plan.lora_rank else ")"),
+        f"  optimizer states    {gib(plan.optimizer_states):>12}  (fp32 master + Adam m, v = 12 bytes/"
+        + ("adapter param; " if plan.lora_rank else "param; ")
         + (f"dense / {_dense_shards(plan)}, experts / expert DP {plan.expert_data_parallel_size})"
            if plan.distributed_optimizer else "not sharded)"),
         f"  activations         {gib(plan.activations):>12}  (micro-batches in flight: "
@@ -698,6 +828,23 @@ def _gib(text: str) -> float:
     return value
 
 
+def _names(text: str) -> list[str]:
+    """argparse type of a comma-separated list of names."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def lora_config(model: HybridModelConfig, rank: int, targets: list[str] | None) -> LoraConfig | None:
+    """The LoRA of --lora-rank and --lora-targets (default: every target the model has); None for rank 0.
+    Raises LoraConfig's ValueError for a bad rank or target."""
+    if not rank:
+        if targets is not None:
+            raise ValueError("--lora-targets without --lora-rank: give the adapters' rank, --lora-rank N > 0")
+        return None
+    if targets is None:
+        targets = [target for target in LORA_TARGETS if target in lora_target_dims(model)]
+    return LoraConfig(rank=rank, targets=targets)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model")
@@ -740,11 +887,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help="sequences decoded together per GPU (rollout.max_running); default: no rollout plan")
     rollout.add_argument("--rollout-length", type=_at_least_one, default=None,
                          help="longest prompt + response, tokens (default: the plan's sequence length)")
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--lora-rank", type=int, default=0, metavar="N",
+                      help="lora.rank: train rank-N adapters on the frozen base (0: no LoRA, every weight trains)")
+    lora.add_argument("--lora-targets", type=_names, default=None, metavar="T,...",
+                      help=f"lora.targets, comma-separated, among {', '.join(LORA_TARGETS)} "
+                           "(default: every one the model has)")
     return parser.parse_args(argv)
 
 
-def describe_run(args: argparse.Namespace, plan: MemoryPlan, world_size: int, seq_len: int) -> str:
-    """The layout and batch the plan is for, as two lines."""
+def describe_run(args: argparse.Namespace, plan: MemoryPlan, world_size: int, seq_len: int,
+                 lora: LoraConfig | None = None) -> str:
+    """The layout and batch the plan is for, as two lines (three with LoRA)."""
     context = plan.context_parallel_size
     cp = f" x CP {context}" if context > 1 else ""
     per_rank = f" ({row_length(seq_len, context) // context} on each CP rank)" if context > 1 else ""
@@ -755,6 +909,7 @@ def describe_run(args: argparse.Namespace, plan: MemoryPlan, world_size: int, se
         f"micro-batch {args.micro_batch} x {seq_len} tokens{per_rank}, recompute {args.recompute}, precision "
         f"{args.precision}, distributed optimizer {'on' if args.distributed_optimizer else 'off'}, LM head "
         f"{'fused' if args.fused_lm_head else 'unfused (fp32 logits)'}"
+        + (f"\nLoRA rank {plan.lora_rank} on {', '.join(lora.targets)}; the base frozen" if lora else "")
     )
 
 
@@ -767,13 +922,14 @@ def main(argv: list[str] | None = None) -> int:
         sequence_parallel=args.sequence_parallel, context_parallel_size=args.cp, context_parallel_comm=args.cp_comm,
     )
     world_size = parallel.model_parallel_size * args.dp
-    options = dict(
-        distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
-        num_microbatches=args.num_microbatches,
-        overhead_bytes=int(args.overhead_gb * GIB), capacity_bytes=int(args.gpu_memory_gb * GIB),
-    )
     seq_len = args.seq_len
     with bad_input_exits():
+        lora = lora_config(model, args.lora_rank, args.lora_targets)
+        options = dict(
+            distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
+            num_microbatches=args.num_microbatches,
+            overhead_bytes=int(args.overhead_gb * GIB), capacity_bytes=int(args.gpu_memory_gb * GIB), lora=lora,
+        )
         if args.longest:
             longest = longest_sequence(model, parallel, world_size, args.micro_batch, args.recompute, args.precision,
                                        **options)
@@ -781,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = stage_plans(model, parallel, world_size, args.micro_batch, seq_len, args.recompute, args.precision,
                             **options)
     worst = max(plans, key=lambda plan: plan.total)
-    print(describe_run(args, worst, world_size, seq_len))
+    print(describe_run(args, worst, world_size, seq_len, lora))
     print(summary(worst, plans))
     if args.longest:
         print(longest_line(longest, parallel.context_parallel_size, model.max_position_embeddings))

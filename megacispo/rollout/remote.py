@@ -51,7 +51,13 @@ from megacispo.parallel.layout import ParallelConfig, destroy_distributed, init_
 from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
 from megacispo.rollout.generate import Samples, generate, sample_keys
 from megacispo.rollout.placement import Bridge, RolloutProcessLost, Side
-from megacispo.rollout.weight_sync import WeightsHeader, publish_weights, receive_weights
+from megacispo.rollout.weight_sync import (
+    ADAPTERS,
+    ALL_WEIGHTS,
+    WeightsHeader,
+    publish_weights,
+    receive_weights,
+)
 from megacispo.training.engine import build_inference_model
 
 
@@ -95,7 +101,8 @@ def run_rollout_process(config: Config, tokenizer, bridge: Bridge) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     whole = ParallelConfig(distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
     init_distributed(whole, config.train.seed, config.precision.fp32_matmul)
-    _serve(config, tokenizer, bridge, build_inference_model(config.model, config.precision.params_dtype, whole))
+    model = build_inference_model(config.model, config.precision.params_dtype, whole, config.lora)
+    _serve(config, tokenizer, bridge, model)
     destroy_distributed()
 
 
@@ -167,6 +174,7 @@ class RemoteRollouts:
         self._rounds_per_step = 1
         self._dropped = 0
         self._sync_s = 0.0
+        self._base_published = False
 
     def start(self, module: torch.nn.Module, version: int, sampler_state: dict) -> None:
         """Before the first step: the rounds are asked for from the trainer's sampler position, after the
@@ -177,9 +185,12 @@ class RemoteRollouts:
             self._ask_ahead(version)
 
     def publish(self, module: torch.nn.Module, version: int) -> None:
-        """Send the weights of step ``version`` (every training rank; see weight_sync.publish_weights)."""
+        """Send the weights of step ``version`` (every training rank; see weight_sync.publish_weights): with LoRA,
+        after the first sync, the adapters alone (the base is frozen)."""
         start = time.perf_counter()
-        publish_weights(module, self.bridge, version)
+        weights = ADAPTERS if self.config.lora.enabled and self._base_published else ALL_WEIGHTS
+        publish_weights(module, self.bridge, version, weights=weights)
+        self._base_published = True
         self._sync_s += time.perf_counter() - start
 
     def take(self, sampler: PromptSampler, step: int, dp_rank: int, quota: int) -> tuple[

@@ -41,7 +41,7 @@ from megacispo.models.routing import route_dtype
 from megacispo.rollout.config import RolloutConfig
 from megacispo.rollout.generate import Samples, count_samples_on
 from megacispo.rollout.vllm_install import vllm_version
-from megacispo.rollout.weight_sync import BUCKET_BYTES, full_tensors, weight_buckets
+from megacispo.rollout.weight_sync import BUCKET_BYTES, MERGED, full_tensors, weight_buckets
 
 # The probe of a weight sync: the first training prompts, each followed by this many fixed random tokens (at
 # most rollout.max_new_tokens), so that every layer and most experts are checked on tokens the model meets.
@@ -138,7 +138,8 @@ def send_weights(module: torch.nn.Module, config: HybridModelConfig, llm, versio
     rank in buckets of ``bucket_bytes`` (megacispo.rollout.weight_sync) and loaded into ``llm``
     (``update_weights``), each tensor as soon as its buckets have arrived, then verified (``verify_weights`` of
     ``probe`` against the trainer's log-probs of it, ``expected``): the probe's largest difference."""
-    header, buckets = weight_buckets(module, version, bucket_bytes, everywhere=True)
+    # LoRA's adapters merged into the weights they adapt: vLLM's model holds no adapters.
+    header, buckets = weight_buckets(module, version, bucket_bytes, everywhere=True, weights=MERGED)
     update_weights(llm, hf_weights(config, full_tensors(header, buckets)))
     return verify_weights(llm, probe, expected, tolerance)
 

@@ -28,7 +28,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY
+from megacispo.models.config import is_adapter_parameter
+from megacispo.models.hf_names import STACKED_EXPERTS
 from megacispo.parallel.layout import run_device
 from megacispo.parallel.sharded import TensorPiece, parameter_pieces
 from megacispo.rollout.placement import Bridge
@@ -48,9 +49,8 @@ def parameter_slots(model: torch.nn.Module) -> dict[str, list[tuple[int | None, 
             continue
         if ".mlp.experts.local_experts." in name:
             prefix, rest = name.split(".mlp.experts.local_experts.")
-            expert, fc = rest.split(".", 1)
-            stacked = EXPERT_FC1_KEY if fc.startswith("linear_fc1") else EXPERT_FC2_KEY
-            slots.setdefault(f"{prefix}.{stacked}", []).append((int(expert), tensor))
+            expert, parameter = rest.split(".", 1)  # linear_fc1.weight, linear_fc2.lora_A, ...
+            slots.setdefault(f"{prefix}.{STACKED_EXPERTS}.{parameter}", []).append((int(expert), tensor))
         else:
             slots[name] = [(None, tensor)]
     return slots
@@ -83,13 +83,27 @@ class _Block:
     sizes: tuple[int, ...]
 
 
-def weight_buckets(module: torch.nn.Module, version: int, bucket_bytes: int = BUCKET_BYTES, *,
-                   everywhere: bool = False) -> tuple[WeightsHeader, Iterator[torch.Tensor]]:
-    """Every training rank: the plan of the model's full weights in buckets of ``bucket_bytes``, and the
-    buckets, each sum-reduced onto training rank 0 as it is taken (see the module's docstring), or onto
-    every rank (``everywhere``: an all-reduce). Every rank takes every bucket, in order; only rank 0's
-    hold the weights, or every rank's with ``everywhere``."""
+# What a weight sync sends of a model with LoRA adapters (models/lora.py): every weight, adapters included (a
+# rollout replica's first sync), the adapters alone (its later syncs: the base is frozen and the replica merges
+# them), or the base with the adapters merged into it (an engine without adapters: vLLM).
+ALL_WEIGHTS, ADAPTERS, MERGED = "all", "adapters", "merged"
+
+
+def _pieces(module: torch.nn.Module, weights: str) -> list[TensorPiece]:
+    if weights == MERGED:
+        with module.merged_adapters():
+            return [piece for piece in parameter_pieces(module) if not is_adapter_parameter(piece.key)]
     pieces = parameter_pieces(module)
+    return pieces if weights == ALL_WEIGHTS else [piece for piece in pieces if is_adapter_parameter(piece.key)]
+
+
+def weight_buckets(module: torch.nn.Module, version: int, bucket_bytes: int = BUCKET_BYTES, *,
+                   everywhere: bool = False, weights: str = ALL_WEIGHTS) -> tuple[WeightsHeader, Iterator[torch.Tensor]]:
+    """Every training rank: the plan of the model's full weights (``weights``: all, the adapters alone, or
+    merged) in buckets of ``bucket_bytes``, and the buckets, each sum-reduced onto training rank 0 as it is
+    taken (see the module's docstring), or onto every rank (``everywhere``: an all-reduce). Every rank takes
+    every bucket, in order; only rank 0's hold the weights, or every rank's with ``everywhere``."""
+    pieces = _pieces(module, weights)
     blocks = [_block(piece) for piece in pieces]
     blocks_by_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(blocks_by_rank, blocks)
@@ -125,11 +139,11 @@ def weight_buckets(module: torch.nn.Module, version: int, bucket_bytes: int = BU
 
 
 def publish_weights(module: torch.nn.Module, bridge: Bridge | None, version: int,
-                    bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Every training rank: send the model's full weights to the rollout processes in buckets of
-    ``bucket_bytes`` (see the module's docstring). Training rank 0 returns once the buckets are queued,
-    not received."""
-    header, buckets = weight_buckets(module, version, bucket_bytes)
+                    bucket_bytes: int = BUCKET_BYTES, weights: str = ALL_WEIGHTS) -> None:
+    """Every training rank: send the model's full weights (``weights``: all, or the adapters alone) to the
+    rollout processes in buckets of ``bucket_bytes`` (see the module's docstring). Training rank 0 returns
+    once the buckets are queued, not received."""
+    header, buckets = weight_buckets(module, version, bucket_bytes, weights=weights)
     if bridge is not None:
         bridge.broadcast_object(header)
     for flat in buckets:
@@ -157,9 +171,11 @@ def full_tensors(header: WeightsHeader, buckets: Iterator[torch.Tensor]) -> Iter
 
 
 def receive_weights(model: torch.nn.Module, bridge: Bridge, header: WeightsHeader) -> None:
-    """A rollout process: the buckets that follow ``header``, copied into ``model`` (TP = PP = EP = 1)."""
+    """A rollout process: the buckets that follow ``header``, copied into ``model`` (TP = PP = EP = 1): every
+    weight, or the adapters alone (which ``generation_dtype`` merges into the weights)."""
     slots = parameter_slots(model)
-    if set(slots) != set(header.entries):
+    adapters = {key for key in slots if is_adapter_parameter(key)}
+    if set(header.entries) not in (set(slots), adapters):
         missing = sorted(set(slots) ^ set(header.entries))
         raise RuntimeError(f"weight sync: the training and rollout models differ in the tensors {missing[:4]}")
     for segments in header.buckets:

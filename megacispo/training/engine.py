@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megacispo.config import Config
-from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig, transformer_config
+from megacispo.models.config import PARAMS_DTYPES, HybridModelConfig, LoraConfig, transformer_config
 from megacispo.models.lora import freeze_base, init_adapters
 from megacispo.models.model import HybridModel
 from megacispo.parallel.layout import ParallelConfig, run_device
@@ -32,11 +32,12 @@ from megacispo.training.packing import PackedRow, agreed_bins, pack_rows, row_le
 
 
 def build_inference_model(
-    config: HybridModelConfig, params_dtype: torch.dtype | str, parallel: ParallelConfig
+    config: HybridModelConfig, params_dtype: torch.dtype | str, parallel: ParallelConfig, lora: LoraConfig | None = None
 ) -> HybridModel:
-    """This rank's piece of the model for inference (evaluation, scoring), in eval mode, without DDP or an
-    optimizer; its weights are left uninitialized: the caller loads them all from a checkpoint.
-    ``params_dtype``: torch.float32 / torch.bfloat16 or its name (a checkpoint records the name)."""
+    """This rank's piece of the model for inference (evaluation, scoring, rollout processes), in eval mode,
+    without DDP or an optimizer; its weights are left uninitialized: the caller loads them all from a
+    checkpoint, or a weight sync sends them. ``params_dtype``: torch.float32 / torch.bfloat16 or its name (a
+    checkpoint records the name); ``lora``: the adapters it holds (B starts at zero)."""
     if isinstance(params_dtype, str):
         if params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype = {params_dtype!r}: use one of {', '.join(PARAMS_DTYPES)}.")
@@ -46,7 +47,7 @@ def build_inference_model(
     megatron_config.perform_initialization = False
     return HybridModel(
         config, megatron_config, pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(), lora=lora,
     ).eval()
 
 

@@ -12,6 +12,8 @@ labels path (the vocab-parallel cross-entropy); the padding stays out of the MoE
 loss (on, 1e-3) through padding_mask; the routers replay recorded experts of the real tokens
 (routing replay) and count their disagreement with them.
 
+LoRA adapters at CP = 2 give the one-process results too.
+
 Also: decoding under CP runs each rank's sequences whole (the one-process logits on every rank), a
 CP forward without packed rows gets one error, and a checkpoint saved at CP = 2 loads at CP = 1 with
 the same weights (CP ranks save their weights as replicas).
@@ -53,25 +55,27 @@ def _packed_row(vocab_size: int, num_layers: int, num_experts: int) -> dict[str,
 
 
 def _train_step(
-    layout: dict, load_dir: str | None = None, save_dir: str | None = None, recompute: str = "none"
+    layout: dict, load_dir: str | None = None, save_dir: str | None = None, recompute: str = "none",
+    lora_rank: int = 0,
 ) -> dict:
     """One forward-backward of this rank's zigzag share of the row (all of it at CP = 1), run in each
     rank, with activation recompute of granularity ``recompute``. Returns the rank's loss (its
     tokens' sum; None off the last stage), whether it counts towards the row's loss (last stage, TP
     rank 0: TP ranks compute the same sum), its gradient and parameter pieces, its routers'
     disagreement counts, its decoding logits of PROMPTS, and the error of a forward without
-    packed_seq_params (None at CP = 1)."""
+    packed_seq_params (None at CP = 1). ``lora_rank``: LoRA adapters of that rank train, the base frozen."""
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megacispo.models.config import RecomputeConfig
+    from megacispo.models.config import LoraConfig, RecomputeConfig
     from megacispo.models.routing import RoutingTargets
     from megacispo.parallel.context import zigzag_positions
     from megacispo.parallel.sharded import gradient_pieces, parameter_pieces
     from megacispo.testing.parallel_case import tiny_ddp_model
 
-    ddp_model, model_cfg, config = tiny_ddp_model(layout, load_dir, save_dir,
+    lora = LoraConfig(rank=lora_rank) if lora_rank else None
+    ddp_model, model_cfg, config = tiny_ddp_model(layout, load_dir, save_dir, lora=lora,
                                                   recompute=RecomputeConfig(granularity=recompute))
     model = ddp_model.module
 
@@ -182,6 +186,14 @@ def test_context_parallel_matches_one_process(reference, name):
     cp_size = layout["context_parallel_size"]
     error = results[0]["unpacked_error"]
     assert error is not None and error.startswith(f"context_parallel_size = {cp_size}: a training forward takes")
+
+
+def test_lora_under_context_parallelism_matches_one_process(tmp_path):
+    """LoRA adapters (every target) at CP = 2: the adapters' gradients, as every other result."""
+    (expected,) = run_distributed(_train_step, 1, {}, save_dir=str(tmp_path), lora_rank=4)
+    results = run_distributed(_train_step, 2, {"context_parallel_size": 2}, load_dir=str(tmp_path), lora_rank=4)
+    _assert_matches_one_process(expected, results, "cp2 lora", compared=True)
+    assert any(key.endswith("lora_A") and grad.abs().max() > 0 for key, grad in assemble([expected["grads"]]).items())
 
 
 def _save_at_cp2(root: str) -> list:

@@ -173,3 +173,52 @@ def test_a_placed_run_plans_the_training_processes(monkeypatch, capsys):
     argv = ["--dry-run", "--set", "placement.rollout_ranks=1", "--set", "parallel.expert_model_parallel_size=2"]
     assert main(argv) == 0
     assert "layout: world 2 = TP 1 x PP 1 x CP 1 x DP 2; EP 2" in capsys.readouterr().out
+
+
+def _lora_sync() -> dict:
+    """2 training processes (EP 2) with LoRA adapters and 1 rollout process: the first sync sends every
+    weight, a later one (after the adapters moved) the adapters alone; the rollout process returns its
+    replica's pieces and the keys of each sync."""
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+    from megacispo.parallel.sharded import parameter_pieces
+    from megacispo.rollout.placement import start_placement
+    from megacispo.rollout.weight_sync import ADAPTERS, publish_weights, receive_weights
+    from megacispo.startup import run_config
+    from megacispo.training.engine import Engine, build_inference_model
+
+    config = run_config(None, ["parallel.expert_model_parallel_size=2", "placement.rollout_ranks=1", "lora.rank=4",
+                               "train.load=unused", "optimizer.use_distributed_optimizer=false"])
+    side = start_placement(config.placement, config.parallel)
+    if side.is_rollout:
+        init_distributed(ParallelConfig(), seed=0)
+        model = build_inference_model(config.model, "float32", ParallelConfig(), config.lora)
+        keys = []
+        for _ in range(2):
+            header = side.bridge.broadcast_object()
+            receive_weights(model, side.bridge, header)
+            keys.append(sorted(header.entries))
+        return {"keys": keys, "pieces": parameter_pieces(model)}
+    init_distributed(config.parallel, seed=0)
+    engine = Engine(config, total_steps=1, peak_lr=1e-3)
+    publish_weights(engine.module, side.bridge, version=0, bucket_bytes=BUCKET_BYTES)
+    with torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.01, generator=torch.Generator().manual_seed(len(name)))
+    publish_weights(engine.module, side.bridge, version=1, bucket_bytes=BUCKET_BYTES, weights=ADAPTERS)
+    if side.bridge is not None:
+        side.bridge.flush()
+    return {"pieces": parameter_pieces(engine.module)}
+
+
+def test_lora_syncs_send_the_adapters_alone_after_the_first():
+    from megacispo.parallel.sharded import assemble
+
+    training_0, training_1, rollout = run_distributed(_lora_sync, 3, timeout_s=300)
+    expected = assemble([training_0["pieces"], training_1["pieces"]])
+    actual = assemble([rollout["pieces"]])
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(actual[key], expected[key]) for key in expected)
+    first, later = rollout["keys"]
+    assert first == sorted(expected) and later == sorted(key for key in expected if key.endswith(("lora_A", "lora_B")))
+    assert any(key.endswith("lora_B") and expected[key].abs().max() > 0 for key in expected)

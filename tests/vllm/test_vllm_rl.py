@@ -1,7 +1,8 @@
 """RL steps with rollout.engine = vllm (``bash tests/run.sh --vllm``): vLLM in every training process of a tiny
 MiniMax-M2 (head_dim 32: vLLM's CPU attention has no kernel for 16), started from its config.json alone and
 given every weight by the trainer, at 1 process, TP 2 and PP 2, at EP 2 with one vLLM engine over both
-processes (rollout.vllm_tensor_parallel = 2), and in the slow tier at CP 2; megacispo.train's run below is at
+processes (rollout.vllm_tensor_parallel = 2), with LoRA adapters at TP 2 (merged into the weights it sends), and
+in the slow tier at CP 2; megacispo.train's run below is at
 EP 2 with an engine per process:
 
 - after the start's sync and the step's, vLLM's log-probs of the probe equal the trainer's to 1e-3 (fp32; the
@@ -32,6 +33,9 @@ LAYOUTS = {
     "PP 2": ({"parallel.pipeline_model_parallel_size": 2}, 2),
     # One vLLM engine over both processes: its weights split over them, each rank's prompts gathered.
     "EP 2, vLLM TP 2": ({"parallel.expert_model_parallel_size": 2, "rollout.vllm_tensor_parallel": 2}, 2),
+    # LoRA adapters (TP 2 splits them, the experts' too): vLLM gets the weights with the adapters merged in.
+    "LoRA, TP 2": ({"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True, "lora.rank": 4,
+                    "train.load": "unused"}, 2),
     # Each CP rank generates its share of the prompts with its own engine (bash tests/run.sh --vllm --slow).
     "CP 2": ({"parallel.context_parallel_size": 2}, 2),
 }
