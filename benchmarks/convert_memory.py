@@ -40,17 +40,9 @@ from megacispo.models import model  # noqa: F401  (likewise)
 from megacispo.models.config import PARAMS_DTYPES, model_config
 from megacispo.models.hf_names import config_to_hf
 from megacispo.testing.checkpoints import load_single_process
+from megacispo.testing.memory import proc_status_mib
 
 MIB = 1024**2
-
-
-def _peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM). Not ru_maxrss: Linux carries the parent's peak
-    at fork into the child's ru_maxrss across exec."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError("no VmHWM in /proc/self/status: this benchmark needs Linux")
 
 
 def _child(step: str, work: Path) -> dict:
@@ -65,7 +57,7 @@ def _child(step: str, work: Path) -> dict:
         megatron_to_hf(work / "ckpt", work / "hf_back", progress=False, meter=meter)
     elif step == "whole-model load":
         load_single_process(work / "ckpt")
-    return {"peak_rss": _peak_rss_bytes(), "meter_peak": meter.peak_bytes}
+    return {"peak_rss": int(proc_status_mib("VmHWM") * MIB), "meter_peak": meter.peak_bytes}
 
 
 def _run_child(step: str, work: Path) -> dict:

@@ -44,6 +44,7 @@ from megacispo.parallel.vocab_parallel import (
 )
 from megacispo.rl.losses import compute_policy_loss
 from megacispo.testing.harness import run_distributed
+from megacispo.testing.memory import proc_status_mib, reset_peak_rss
 
 TP = 2
 # fp32 [tokens, V] tensors alive at once per rank at the naive path's peak (the backward of
@@ -77,19 +78,6 @@ def fused_logprobs(
 ) -> torch.Tensor:
     logprobs, _ = lm_head_logprobs(lm_head_input(hidden, group), weight, targets, group, *tile)
     return logprobs
-
-
-def _proc_status_mib(field: str) -> float:
-    with open("/proc/self/status") as status:
-        fields = dict(line.split(":", 1) for line in status)
-    return int(fields[field].split()[0]) / 1024  # kB
-
-
-def reset_peak_rss() -> float:
-    """Reset this process's resident-set high-water mark; return the resident set now, MiB."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    return _proc_status_mib("VmRSS")
 
 
 def measure(method: str, tokens: int, vocab: int, hidden_size: int, tile: tuple[int, int], repeats: int) -> dict:
@@ -132,7 +120,7 @@ def measure(method: str, tokens: int, vocab: int, hidden_size: int, tile: tuple[
         wall_s.append(time.perf_counter() - wall_begin)
         cpu_s.append(time.process_time() - cpu_begin)
     return {
-        "peak_mib": _proc_status_mib("VmHWM") - baseline_mib,
+        "peak_mib": proc_status_mib("VmHWM") - baseline_mib,
         "step_s": statistics.median(wall_s),
         "cpu_s": statistics.median(cpu_s),
         "loss": loss.item(),

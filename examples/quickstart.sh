@@ -8,6 +8,8 @@
 #                        tiny-m2 shape with 32-wide heads: vLLM's CPU attention has no kernel for its 16)
 #   ENGINE [megacispo]   vllm (FAMILY=minimax-m2): RL's rollouts and evaluations on vLLM's CPU build, in
 #                        .venv-vllm (rollout.engine=vllm)
+#   LORA [0]   a rank: RL trains LoRA adapters of that rank on the frozen SFT model (lora.rank), its
+#              checkpoints the adapters alone
 # Every run starts over: the last run's checkpoints and TensorBoard logs under RUN_DIR go first, so RL
 # never loads another run's (newer-stepped) SFT checkpoint and TensorBoard shows this run alone.
 set -euo pipefail
@@ -16,6 +18,7 @@ cd "$repo"
 NPROC="${NPROC:-2}"
 FAMILY="${FAMILY:-minimax-m1}"
 ENGINE="${ENGINE:-megacispo}"
+LORA="${LORA:-0}"
 case "$FAMILY" in
     minimax-m1) RUN_DIR="${RUN_DIR:-runs/quickstart}"; CONFIG=examples/configs/quickstart_cpu.yaml; RL_MODEL=""
                 HF_HEADS="" ;;
@@ -37,6 +40,7 @@ case "$ENGINE" in
           RL_MODEL="$RL_MODEL --set rollout.engine=vllm" ;;
     *) echo "error: ENGINE=$ENGINE: use megacispo or vllm" >&2; exit 2 ;;
 esac
+RL_MODEL="$RL_MODEL --set lora.rank=$LORA"
 py=$venv/bin/python
 export PYTHONWARNINGS="ignore"
 export OMP_NUM_THREADS=1

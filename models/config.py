@@ -481,7 +481,7 @@ class LoraConfig:
     """The update's scale is alpha / rank."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training (rollouts and scoring run without it)."""
-    targets: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    targets: list[str] = field(default_factory=lambda: ["all-linear"])
     """The linears that get adapters, by module name: qkv_proj, output_gate, out_proj (lightning
     layers), q_proj, k_proj, v_proj, o_proj (softmax layers), linear_fc1, linear_fc2 (experts); all-linear:
     every one the model has."""

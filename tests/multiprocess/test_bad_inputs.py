@@ -241,6 +241,24 @@ CATALOG = [
     config_row("train", quick(*CP2, "rollout.prompts_per_step=3"),
                "rollout.prompts_per_step = 3", "parallel.context_parallel_size = 2 ranks cannot share evenly",
                "use a multiple of 2", id="cp2-prompts-odd"),
+    # -- LoRA ----------------------------------------------------------------------------------------------
+    config_row("train", quick("lora.rank=4", "lora.targets=[router]"), "lora.targets = ['router']: ['router']",
+               "the router, the norms, the embedding and the LM head take no adapters", id="lora-target-unknown"),
+    config_row("train", quick("lora.rank=4", "lora.targets=[q_proj]", "model.layer_pattern=L"),
+               "lora.targets = ['q_proj']: ['q_proj'] name no layer of this minimax-m1 model",
+               "(its linears: linear_fc1, linear_fc2, qkv_proj, output_gate, out_proj); remove them",
+               id="lora-target-absent"),
+    config_row("train", quick("lora.rank=64"), "lora.rank = 64: linear_fc1 is [128, 64]",
+               "use lora.rank < 64", id="lora-rank-too-large"),
+    config_row("train", quick("lora.rank=4", "lora.dropout=1.5"), "lora.dropout = 1.5: use a probability in [0, 1)",
+               id="lora-dropout"),
+    config_row("train", quick("lora.rank=4", "train.load=''"),
+               "lora.rank = 4 trains adapters on a frozen base, but train.load is unset", id="lora-without-base"),
+    config_row("train", quick("lora.rank=4", "precision.params_dtype=bfloat16", "precision.fp8=tensorwise"),
+               "lora.rank = 4 with precision.fp8 = tensorwise", "adapters sit on Megatron's local linears",
+               "set precision.fp8=null", id="lora-fp8"),
+    config_row("sft", quick("lora.rank=4"), "lora.rank = 4: megacispo.sft trains every weight", "set lora.rank=0",
+               id="lora-sft"),
 ]
 
 

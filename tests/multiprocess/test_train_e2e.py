@@ -5,11 +5,11 @@ a preempted (SIGTERM) run saving its step and exiting cleanly (in the slow tier)
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from megacispo.testing.checkpoints import checkpoint_tensors
 from megacispo.testing.harness import run_distributed
 from megacispo.testing.rl_runs import LR, run_overrides, run_train, train_until_sigterm
 
@@ -26,20 +26,6 @@ EXPECTED_METRICS = [
 ]
 
 
-def _plain_params(checkpoint: str) -> dict[str, torch.Tensor]:
-    from megatron.core.dist_checkpointing import load_plain_tensors
-
-    torch.distributed.init_process_group("gloo")
-    return {k: v for k, v in load_plain_tensors(checkpoint).items()
-            if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
-
-
-def _params(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of a checkpoint, whole (dist_checkpointing reads inside a process group)."""
-    (params,) = run_distributed(_plain_params, 1, str(checkpoint))
-    return params
-
-
 def test_rl_steps_write_every_metric_and_clip(task_files, tmp_path):
     from megacispo.metrics.logger import read_scalars
 
@@ -52,7 +38,7 @@ def test_rl_steps_write_every_metric_and_clip(task_files, tmp_path):
         value for _, value in scalars["loss/clip_frac_low"]) > 0, "no token was clipped over 4 off-policy updates"
     checkpoints = sorted((tmp_path / "checkpoints").glob("step_*"))
     assert [c.name for c in checkpoints] == ["step_00000001", "step_00000002", "step_00000003"]
-    first, last = _params(checkpoints[0]), _params(checkpoints[-1])
+    first, last = checkpoint_tensors(checkpoints[0]), checkpoint_tensors(checkpoints[-1])
     assert any(not torch.equal(first[key], last[key]) for key in first), "parameters did not change"
 
 
@@ -70,7 +56,8 @@ def test_resume_continues_exactly(task_files, tmp_path):
     loss_straight = dict(read_scalars(str(straight))["loss/policy_loss"])[3]
     loss_resumed = dict(read_scalars(str(resumed))["loss/policy_loss"])[3]
     assert loss_resumed == pytest.approx(loss_straight, rel=1e-6, abs=1e-9)
-    expected, actual = _params(straight / "checkpoints" / "step_00000003"), _params(resumed / "checkpoints" / "step_00000003")
+    expected = checkpoint_tensors(straight / "checkpoints" / "step_00000003")
+    actual = checkpoint_tensors(resumed / "checkpoints" / "step_00000003")
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-6, atol=1e-9)
 
@@ -106,8 +93,8 @@ def test_pipeline_parallel_step_equals_single_process(task_files, tmp_path):
     single, pipelined = (read_scalars(str(tmp_path / name)) for name in runs)
     for key in ("rollout/reward_mean", "loss/policy_loss", "loss/entropy"):
         assert dict(pipelined[key])[1] == pytest.approx(dict(single[key])[1], rel=1e-5, abs=1e-7), key
-    expected = _params(tmp_path / "single" / "checkpoints" / "step_00000001")
-    actual = _params(tmp_path / "pp2" / "checkpoints" / "step_00000001")
+    expected = checkpoint_tensors(tmp_path / "single" / "checkpoints" / "step_00000001")
+    actual = checkpoint_tensors(tmp_path / "pp2" / "checkpoints" / "step_00000001")
     # Adam divides each gradient by its own running norm: where a gradient is near zero its fp32
     # rounding (which differs between layouts) moves the step by a visible fraction of the LR. That
     # happens at a few elements (an expert that got almost no tokens); the rest agree to 1e-5.

@@ -35,3 +35,20 @@ def full_tensors(model) -> dict[str, torch.Tensor]:
         else torch.stack([tensor.detach() for _, tensor in sorted(pieces, key=lambda piece: piece[0])])
         for key, pieces in parameter_slots(model).items()
     }
+
+
+def _plain_model_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    torch.distributed.init_process_group("gloo")
+    return {key: value for key, value in load_plain_tensors(checkpoint).items()
+            if isinstance(value, torch.Tensor) and not key.startswith("optimizer.")}
+
+
+def checkpoint_tensors(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model tensors a checkpoint holds, whole, by key (read in a process of its own: dist_checkpointing
+    reads inside a process group)."""
+    from megacispo.testing.harness import run_distributed
+
+    (tensors,) = run_distributed(_plain_model_tensors, 1, str(checkpoint))
+    return tensors
