@@ -54,7 +54,8 @@ setup(
         "plot": ["matplotlib"],
         # logging.wandb: true.
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout", "triton>=3.6", "matplotlib", "wandb"],
+        # peft: LoRA checkpoints exported for transformers' PeftModel (tests/multiprocess/test_lora_export.py).
+        "test": ["pytest", "pytest-timeout", "triton>=3.6", "matplotlib", "wandb", "peft"],
         # MiniMax-M2 rollouts on vLLM (megacispo.rollout.vllm_engine): vllm on GPUs; its CPU build for the
         # tests (tools/setup_env.sh --vllm), which needs a transformers before 5.20.
         "vllm": ["vllm>=0.32,<0.34"],

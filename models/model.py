@@ -371,12 +371,14 @@ class HybridModel(LanguageModule):
             return torch.promote_types(param.dtype, dtype) if dtype == torch.float32 else dtype
 
         self._forget_stacks()
-        # First the adapted linears' merged weights, in their weights' places: the stacks below copy those.
-        swapped = self._merge_adapters(
-            lambda linear, weight: rollout_tensor(linear, "weight", weight.shape, target(weight), weight.device)
-        )
         stacking = [module for module in self.modules() if isinstance(module, StacksWeights)]
         unused = {id(param) for module in stacking for param in module.stacked_parameters()}
+        # The adapted linears' merged weights in their weights' places; a stack merges its own weights as it
+        # copies them (layers.rollout_weight).
+        swapped = self._merge_adapters(
+            lambda linear, weight: rollout_tensor(linear, "weight", weight.shape, target(weight), weight.device),
+            skip=unused,
+        )
         unused.update(id(param) for linear in self._adapted for param in (linear.lora_A, linear.lora_B))
         cast = [
             (module, name, param)
@@ -414,16 +416,19 @@ class HybridModel(LanguageModule):
         finally:
             self._put_back(swapped)
 
-    def _merge_adapters(self, destination) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-        """Put each adapted linear's merged weight in its weight's place, written into
-        ``destination(linear, weight)`` (and cast to its dtype), with its adapter marked merged. Returns the
-        (module, name, weight) replaced, to put back."""
+    def _merge_adapters(self, destination, skip: set[int] = frozenset()
+                        ) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        """Mark every adapter merged, and put each adapted linear's merged weight in its weight's place (but
+        for the weights whose ids ``skip`` holds), written into ``destination(linear, weight)`` (and cast to its
+        dtype). Returns the (module, name, weight) replaced, to put back."""
         swapped = []
         for linear in self._adapted:
+            linear.adapters_merged = True
             weight = linear.weight
+            if id(weight) in skip:
+                continue
             merged = destination(linear, weight)
             _replace_parameter(linear, "weight", merged.copy_(linear.merged_weight(merged.dtype)))
-            linear.adapters_merged = True
             swapped.append((linear, "weight", weight))
         return swapped
 

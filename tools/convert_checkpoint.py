@@ -2,7 +2,12 @@
 streaming tensor by tensor (memory: a few tensors, never the model).
 
     python tools/convert_checkpoint.py hf-to-megatron --hf-dir HF --out CKPT [--tp T --pp P --ep E --etp X]
-    python tools/convert_checkpoint.py megatron-to-hf --ckpt CKPT --out HF
+    python tools/convert_checkpoint.py megatron-to-hf --ckpt CKPT --out HF [--base BASE]
+    python tools/convert_checkpoint.py megatron-to-peft --ckpt CKPT --out ADAPTER [--base BASE]
+
+A LoRA run's checkpoint holds its adapters alone: megatron-to-hf writes it merged into its base (the
+run's train.load, which the checkpoint records, or --base), megatron-to-peft writes the adapters alone
+as a PEFT LoRA adapter directory for transformers' PeftModel over the Hugging Face base.
 
 A checkpoint written here loads at any layout; --tp/--pp/--ep/--etp are validated and recorded in
 meta.json. Everything is written beside --out and renamed at the end: a failed conversion leaves
@@ -15,7 +20,7 @@ import argparse
 import sys
 import warnings
 
-from megacispo.checkpoint.to_hf import DEFAULT_MAX_SHARD_BYTES, megatron_to_hf
+from megacispo.checkpoint.to_hf import DEFAULT_MAX_SHARD_BYTES, megatron_to_hf, megatron_to_peft
 from megacispo.checkpoint.to_megatron import hf_to_megatron
 from megacispo.models.config import PARAMS_DTYPES
 from megacispo.startup import bad_input_exits
@@ -40,8 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf = commands.add_parser("megatron-to-hf", help="megacispo checkpoint -> HF directory")
     to_hf.add_argument("--ckpt", required=True, help="step_* directory, or a checkpoints root (its newest step)")
     to_hf.add_argument("--out", required=True, help="new HF model directory")
+    to_hf.add_argument("--base", default=None,
+                       help="a LoRA run's checkpoint: the base its adapters merge into, a megacispo checkpoint or "
+                            "an HF directory (default: the run's train.load, as the checkpoint records it)")
     to_hf.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                        help="largest safetensors shard (default 5 GiB)")
+    to_peft = commands.add_parser("megatron-to-peft", help="a LoRA run's checkpoint -> PEFT LoRA adapter directory")
+    to_peft.add_argument("--ckpt", required=True, help="step_* directory, or a checkpoints root (its newest step)")
+    to_peft.add_argument("--out", required=True, help="new adapter directory")
+    to_peft.add_argument("--base", default=None,
+                         help="adapter_config.json's base_model_name_or_path, the HF directory PEFT loads the "
+                              "adapters over (default: the run's train.load, as the checkpoint records it)")
     for command in (to_megatron, to_hf):
         command.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -54,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-megatron":
             path = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                                   rotary_dim=args.rotary_dim, dtype=args.dtype, progress=not args.no_progress)
-        else:
-            path = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_bytes,
+        elif args.command == "megatron-to-hf":
+            path = megatron_to_hf(args.ckpt, args.out, base=args.base, max_shard_bytes=args.max_shard_bytes,
                                   progress=not args.no_progress)
+        else:
+            path = megatron_to_peft(args.ckpt, args.out, base=args.base)
     print(f"wrote {path}")
     return 0
 

@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 from megacispo.checkpoint import hf_reader
 from megacispo.checkpoint.distributed import (
-    WEIGHT_FIELD_DEFAULTS,
     WEIGHT_FIELDS,
     adapter_rank_of,
     params_dtype_of,
@@ -373,15 +372,16 @@ def write_hf_files(
             f"outputs; megacispo (and the original MiniMax code) read rotary_dim back.",
             stacklevel=2,
         )
-    reader: TensorReader = CheckpointTensorReader(step_dir, meter)
+    checkpoint = CheckpointTensorReader(step_dir, meter)
     lora = _lora_config(meta)
+    reader: TensorReader
     if lora is None:
         if base is not None:
             raise ValueError(f"--base {base}: {step_dir} holds a whole model (no lora.rank in its {META_FILE}), not "
                              f"adapters to merge into a base; drop --base.")
-        adapters, dtype = None, params_dtype_of(meta)
+        reader, adapters, dtype = checkpoint, None, params_dtype_of(meta)
     else:
-        adapters = LoraDeltas(reader, lora)
+        adapters = LoraDeltas(checkpoint, lora)
         reader, dtype = _lora_base_reader(step_dir, meta, config, base, meter)
     plan = _hf_tensor_plan(reader, config, adapters)
     entries = [(name, shape, dtype) for names, dtype, _ in plan for name, shape in names]
@@ -496,10 +496,10 @@ def write_peft_files(ckpt: str | os.PathLike, directory: Path, *, base: str | os
                      if key.endswith((hf_names.EXPERT_FC1_KEY, hf_names.EXPERT_FC2_KEY)))
     if experts:
         raise ValueError(
-            f"{step_dir} has adapters on the experts ({experts[0]} ...; lora.targets = {lora.targets}): "
-            f"transformers 5.x holds MiniMax's experts as fused parameters (mlp.experts.gate_up_proj, down_proj), "
-            f"which PEFT's target_modules cannot adapt; export the merged model with megatron-to-hf instead, or "
-            f"train without linear_fc1 and linear_fc2 in lora.targets.")
+            f"{step_dir} has adapters on the experts (on {experts[0]} and {len(experts) - 1} more; lora.targets = "
+            f"{lora.targets}): transformers 5.x holds MiniMax's experts as fused parameters (mlp.experts.gate_up_proj, "
+            f"down_proj), which PEFT's target_modules cannot adapt; export the merged model with megatron-to-hf "
+            f"instead, or train with lora.targets listing the attention projections alone.")
     # megacispo.checkpoint.hf imports this module (export_hf writes with write_hf_files).
     from megacispo.checkpoint.hf import model_tensor_shapes
 
@@ -514,10 +514,10 @@ def write_peft_files(ckpt: str | os.PathLike, directory: Path, *, base: str | os
         target_modules.add(module.rsplit(".", 1)[-1])
     save_file(tensors, str(directory / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     base_path = str(base) if base is not None else _recorded_base(meta)
-    if base_path and (Path(base_path) / META_FILE).is_file():
-        warnings.warn(f"base_model_name_or_path = {base_path} is a megacispo checkpoint, which transformers does not "
-                      f"load: write it as a Hugging Face directory with megatron-to-hf and pass that as --base.",
-                      stacklevel=2)
+    if base_path and Path(base_path).is_dir() and not is_hf_directory(base_path):
+        warnings.warn(f"base_model_name_or_path = {base_path} is not a Hugging Face directory (a megacispo "
+                      f"checkpoint?), which transformers does not load: write the base with megatron-to-hf and pass "
+                      f"that directory as --base.", stacklevel=2)
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
