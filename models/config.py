@@ -517,6 +517,11 @@ class LoraConfig:
         """Whether the linears named ``target`` (a LORA_TARGETS name) get adapters."""
         return self.enabled and (target in self.targets or ALL_LINEAR in self.targets)
 
+    def adapted_targets(self, config: HybridModelConfig) -> list[str]:
+        """The targets (LORA_TARGETS names, in that order) that get adapters in ``config``'s model."""
+        dims = lora_target_dims(config)
+        return [target for target in LORA_TARGETS if target in dims and self.adapts(target)]
+
     def check_model(self, config: HybridModelConfig) -> None:
         """Every target names a linear the model has, and the rank is below every adapted layer's
         dimensions (a low-rank update of rank >= min(in, out) is a full one with more parameters)."""
@@ -529,7 +534,7 @@ class LoraConfig:
                 f"lora.targets = {self.targets!r}: {absent} name no layer of this {config.family} model (its "
                 f"linears: {', '.join(dims)}); remove them."
             )
-        for target in [target for target in dims if self.adapts(target)]:
+        for target in self.adapted_targets(config):
             in_features, out_features = dims[target]
             if self.rank >= min(in_features, out_features):
                 raise ValueError(

@@ -129,8 +129,9 @@ a row-parallel one's reduction over TP, [k e T/SP, r] for an expert linear (one 
 copy); the adapters' input is the tensor W's product already keeps (lora.dropout = 0 assumed: a
 dropout would keep a masked copy of each input). Adapters run on Megatron's local linears, not
 Transformer Engine's, so LoRA plans bf16 GEMMs only (--precision fp8 is refused, as at start-up).
-A rollout multiplies the merged weights W + s B A, a bf16 copy of every adapted weight made for the
-rollout (HybridModel.generation_dtype): the rollout line adds it to the resident memory.
+A rollout multiplies the merged weights W + s B A (HybridModel.generation_dtype): it merges the weights it
+stacks (q / k / v, qkv / gate, the experts') into their stacks, and makes a bf16 merged copy of the mixers'
+output projections, which the rollout line adds to the resident memory.
 """
 
 from __future__ import annotations
@@ -174,6 +175,10 @@ DEFAULT_OVERHEAD_GIB = 5.0
 # LoRA targets on row-parallel linears (W split by input columns over TP: the adapter splits A); the
 # other targets are column-parallel (W split by output rows: the adapter splits B).
 LORA_ROW_PARALLEL = ("out_proj", "o_proj", "linear_fc2")
+# The adapted weights a rollout copies merged, W + s B A, beside W: the mixers' output projections. It merges
+# the others (q / k / v, qkv / gate, the experts') into the stacks it makes of them anyway
+# (models/layers.py rollout_weight).
+LORA_MERGED_COPIES = ("out_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -229,7 +234,9 @@ class MemoryPlan:
     adapters: StageParams
     """LoRA's A and B per GPU (dense: the mixers', expert: the experts'); none without LoRA."""
     adapted: StageParams
-    """The base weights per GPU that adapters sit on (a rollout's merged copies); none without LoRA."""
+    """The base weights per GPU that adapters sit on; none without LoRA."""
+    merged: StageParams
+    """The adapted weights per GPU that a rollout copies merged (LORA_MERGED_COPIES); none without LoRA."""
     data_parallel_size: int
     """DP = world / (TP x PP x CP), ParallelConfig.data_parallel_size."""
     context_parallel_size: int
@@ -345,14 +352,15 @@ def layer_params(model: HybridModelConfig, kind: str, tp: int, ep: int, etp: int
 
 
 def layer_adapters(model: HybridModelConfig, kind: str, lora: LoraConfig, tp: int, ep: int,
-                   etp: int) -> tuple[StageParams, StageParams]:
-    """LoRA on one GPU of one layer of ``kind``: (the adapters' A and B, the base weights they sit on),
-    each split into dense (the mixer's projections, over TP) and expert (E / EP experts' own, over
-    expert TP). A column-parallel linear's adapter splits B, a row-parallel one's A."""
+                   etp: int) -> tuple[StageParams, StageParams, StageParams]:
+    """LoRA on one GPU of one layer of ``kind``: (the adapters' A and B, the base weights they sit on, the
+    adapted weights a rollout copies merged), each split into dense (the mixer's projections, over TP) and
+    expert (E / EP experts' own, over expert TP). A column-parallel linear's adapter splits B, a row-parallel
+    one's A."""
     dims = lora_target_dims(model)
     mixer_targets = LORA_LIGHTNING_TARGETS if kind == LIGHTNING else LORA_SOFTMAX_TARGETS
-    counts = {"dense": [0, 0], "expert": [0, 0]}  # [adapters, adapted weights]
-    for target in lora.targets:
+    counts = {"dense": [0, 0, 0], "expert": [0, 0, 0]}  # [adapters, adapted weights, merged copies]
+    for target in lora.adapted_targets(model):
         if target in LORA_EXPERT_TARGETS:
             part, copies, split = "expert", model.num_experts // ep, etp
         elif target in mixer_targets:
@@ -366,9 +374,10 @@ def layer_adapters(model: HybridModelConfig, kind: str, lora: LoraConfig, tp: in
             a, b = lora.rank * in_features, out_features // split * lora.rank
         counts[part][0] += copies * (a + b)
         counts[part][1] += copies * in_features * out_features // split
-    (dense, dense_weights), (expert, expert_weights) = counts["dense"], counts["expert"]
-    return (StageParams(dense=dense, expert=expert, gemm=0),
-            StageParams(dense=dense_weights, expert=expert_weights, gemm=dense_weights + expert_weights))
+        if target in LORA_MERGED_COPIES:
+            counts[part][2] += copies * in_features * out_features // split
+    return tuple(StageParams(dense=dense, expert=expert, gemm=0 if what == 0 else dense + expert)
+                 for what, (dense, expert) in enumerate(zip(counts["dense"], counts["expert"])))
 
 
 def stage_params(model: HybridModelConfig, parallel: ParallelConfig, stage: int) -> StageParams:
@@ -385,13 +394,13 @@ def stage_params(model: HybridModelConfig, parallel: ParallelConfig, stage: int)
 
 
 def stage_adapters(model: HybridModelConfig, parallel: ParallelConfig, stage: int,
-                   lora: LoraConfig) -> tuple[StageParams, StageParams]:
-    """LoRA on one GPU of pipeline ``stage``: (the adapters, the base weights they sit on), as
-    ``layer_adapters`` counts them for each of its layers."""
+                   lora: LoraConfig) -> tuple[StageParams, StageParams, StageParams]:
+    """LoRA on one GPU of pipeline ``stage``: (the adapters, the base weights they sit on, the merged copies
+    a rollout makes), as ``layer_adapters`` counts them for each of its layers."""
     layers = [layer_adapters(model, model.layer_kind(layer), lora, parallel.tensor_model_parallel_size,
                              parallel.expert_model_parallel_size, parallel.expert_tp)
               for layer in stage_layers(model, parallel.pipeline_model_parallel_size, stage)]
-    return sum((a for a, _ in layers), NO_PARAMS), sum((w for _, w in layers), NO_PARAMS)
+    return tuple(sum(parts, NO_PARAMS) for parts in zip(*layers))
 
 
 def _common_items(dims: _Dims) -> list[ActivationItem]:
@@ -608,7 +617,8 @@ def stage_plans(
         model=model, tp=tp, etp=parallel.expert_tp, sp=tp if parallel.sequence_parallel else 1,
         cp=cp, ring=parallel.context_parallel_comm == "p2p", row_len=row_length(seq_len, cp), micro_batch=micro_batch,
         gemm_input_bytes=1 if precision == "fp8" else ACTIVATION_BYTES,
-        lora_rank=lora.rank if lora else 0, lora_targets=tuple(lora.targets) if lora else (),
+        lora_rank=lora.rank if lora else 0,
+        lora_targets=tuple(lora.adapted_targets(model)) if lora else (),
     )
     dp = parallel.data_parallel_size(world_size)
     # Megatron-Core's data-parallel group with CP: the gradients reduce, and the optimizer shards, over DP x CP.
@@ -620,14 +630,14 @@ def stage_plans(
         layers = stage_layers(model, pp, stage)
         kinds = "".join(model.layer_kind(i) for i in layers)
         params = stage_params(model, parallel, stage)
-        adapters, adapted = stage_adapters(model, parallel, stage, lora) if lora else (NO_PARAMS, NO_PARAMS)
+        adapters, adapted, merged = stage_adapters(model, parallel, stage, lora) if lora else (NO_PARAMS,) * 3
         trainable = adapters if lora else params
         in_flight = min(pp - stage, num_microbatches or pp)
         items = _stage_items(dims, stage, kinds, pp, fused_lm_head)
         optimizer_shards = (dp_with_cp, expert_dp) if distributed_optimizer else (1, 1)
         plans.append(MemoryPlan(
             stage=stage, num_stages=pp, layer_kinds=kinds, first_layer=layers.start, params=params,
-            lora_rank=lora.rank if lora else 0, adapters=adapters, adapted=adapted,
+            lora_rank=lora.rank if lora else 0, adapters=adapters, adapted=adapted, merged=merged,
             data_parallel_size=dp, context_parallel_size=cp, expert_data_parallel_size=expert_dp,
             distributed_optimizer=distributed_optimizer, micro_batches_in_flight=in_flight,
             weights=WEIGHT_BYTES * (params.total + adapters.total),
@@ -705,9 +715,9 @@ def rollout_bytes(model: HybridModelConfig, parallel: ParallelConfig, slots: int
 def rollout_summary(plan: MemoryPlan, cache_bytes: int, slots: int, max_length: int) -> tuple[str, bool]:
     """The rollout line of the report for ``plan``'s stage, and whether the rollout fits: the cache
     next to what stays resident between updates (weights, gradients, optimizer states, overhead) and,
-    under LoRA, the merged weights W + s B A the rollout multiplies (a bf16 copy of each adapted weight)."""
+    under LoRA, the merged copies W + s B A of the mixers' output projections (LORA_MERGED_COPIES)."""
     resident = plan.weights + plan.fp8_weight_cache + plan.gradients + plan.optimizer_states + plan.overhead
-    merged = WEIGHT_BYTES * plan.adapted.total
+    merged = WEIGHT_BYTES * plan.merged.total
     total = resident + merged + cache_bytes
     fits = total <= plan.capacity
     with_merged = f", LoRA's merged weights {gib(merged)}" if merged else ""
@@ -833,16 +843,14 @@ def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def lora_config(model: HybridModelConfig, rank: int, targets: list[str] | None) -> LoraConfig | None:
+def lora_config(rank: int, targets: list[str] | None) -> LoraConfig | None:
     """The LoRA of --lora-rank and --lora-targets (default: every target the model has); None for rank 0.
     Raises LoraConfig's ValueError for a bad rank or target."""
     if not rank:
         if targets is not None:
             raise ValueError("--lora-targets without --lora-rank: give the adapters' rank, --lora-rank N > 0")
         return None
-    if targets is None:
-        targets = [target for target in LORA_TARGETS if target in lora_target_dims(model)]
-    return LoraConfig(rank=rank, targets=targets)
+    return LoraConfig(rank=rank) if targets is None else LoraConfig(rank=rank, targets=targets)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -897,8 +905,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def describe_run(args: argparse.Namespace, plan: MemoryPlan, world_size: int, seq_len: int,
-                 lora: LoraConfig | None = None) -> str:
-    """The layout and batch the plan is for, as two lines (three with LoRA)."""
+                 lora: LoraConfig | None = None, model: HybridModelConfig | None = None) -> str:
+    """The layout and batch the plan is for, as two lines (three with LoRA, on ``model``'s linears)."""
     context = plan.context_parallel_size
     cp = f" x CP {context}" if context > 1 else ""
     per_rank = f" ({row_length(seq_len, context) // context} on each CP rank)" if context > 1 else ""
@@ -909,7 +917,8 @@ def describe_run(args: argparse.Namespace, plan: MemoryPlan, world_size: int, se
         f"micro-batch {args.micro_batch} x {seq_len} tokens{per_rank}, recompute {args.recompute}, precision "
         f"{args.precision}, distributed optimizer {'on' if args.distributed_optimizer else 'off'}, LM head "
         f"{'fused' if args.fused_lm_head else 'unfused (fp32 logits)'}"
-        + (f"\nLoRA rank {plan.lora_rank} on {', '.join(lora.targets)}; the base frozen" if lora else "")
+        + (f"\nLoRA rank {plan.lora_rank} on {', '.join(lora.adapted_targets(model))}; the base frozen"
+           if lora else "")
     )
 
 
@@ -924,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = parallel.model_parallel_size * args.dp
     seq_len = args.seq_len
     with bad_input_exits():
-        lora = lora_config(model, args.lora_rank, args.lora_targets)
+        lora = lora_config(args.lora_rank, args.lora_targets)
         options = dict(
             distributed_optimizer=args.distributed_optimizer, fused_lm_head=args.fused_lm_head,
             num_microbatches=args.num_microbatches,
@@ -937,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = stage_plans(model, parallel, world_size, args.micro_batch, seq_len, args.recompute, args.precision,
                             **options)
     worst = max(plans, key=lambda plan: plan.total)
-    print(describe_run(args, worst, world_size, seq_len, lora))
+    print(describe_run(args, worst, world_size, seq_len, lora, model))
     print(summary(worst, plans))
     if args.longest:
         print(longest_line(longest, parallel.context_parallel_size, model.max_position_embeddings))

@@ -115,10 +115,12 @@ def test_tiny_adapter_activations_by_hand():
 
 def test_rollout_adds_the_merged_weights():
     tiny = model_config("tiny")
-    lora = LoraConfig(rank=4, targets=["qkv_proj", "linear_fc1"])
+    lora = LoraConfig(rank=4, targets=["out_proj", "qkv_proj", "linear_fc1"])
     stage = plan.memory_plan(tiny, ParallelConfig(), 1, 1, 64, lora=lora)
-    merged = 2 * (7 * 192 * 64 + 8 * 4 * 128 * 64)  # 7 lightning qkv [192, 64], 8 layers x 4 experts' fc1 [128, 64]
-    assert 2 * stage.adapted.total == merged
+    # 7 lightning out_proj [64, 64]; the qkv and the experts' fc1 are merged into the rollout's stacks.
+    merged = 2 * 7 * 64 * 64
+    assert 2 * stage.merged.total == merged
+    assert stage.adapted.total == 7 * (64 * 64 + 192 * 64) + 8 * 4 * 128 * 64
     resident = stage.weights + stage.gradients + stage.optimizer_states + stage.overhead
     line, fits = plan.rollout_summary(stage, 1000, slots=1, max_length=64)
     assert fits and "LoRA's merged weights" in line
