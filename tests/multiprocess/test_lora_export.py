@@ -1,20 +1,24 @@
 """A LoRA run's checkpoint out of megacispo (megacispo.checkpoint.to_hf through tools/convert_checkpoint.py).
 
-A tiny random transformers MiniMax-M1 (megacispo.testing.hf_models) is the base (train.load) of two LoRA
-models with random adapters: one on every target (experts too), one on the attention projections alone
-(lightning and softmax layers). Each is trained one step (the checkpoint then holds optimizer state of
-the adapters too), given random B, and saved as a LoRA run saves it: its adapters alone, the base
-recorded as extra_state.lora_base.
+Tiny random transformers models (megacispo.testing.hf_models) are the bases (train.load) of LoRA models with
+random adapters: on MiniMax-M1, one on every target (experts too) and one on the attention projections alone
+(lightning and softmax layers); on MiniMax-M2 (MiniMaxM2ForCausalLM: QK-norm, partial RoPE, sigmoid router),
+one on all-linear (q/k/v/o_proj and the experts' linear_fc1/fc2) and one on q/k/v/o_proj. Each is trained one
+step (the checkpoint then holds optimizer state of the adapters too), given random B, and saved as a LoRA run
+saves it: its adapters alone, the base recorded as extra_state.lora_base.
 
 - megatron-to-hf writes the merged model: transformers' log-probs of it equal the unmerged LoRA model's
   (both in fp64, so that only the fp32 rounding of the merged weights differs; transformers' experts
-  then run eagerly: its grouped GEMM takes no fp64) to 1e-5, for both; with
-  --base the same base as a megacispo checkpoint gives the same tensors, bit for bit.
+  then run eagerly: its grouped GEMM takes no fp64) to 1e-5, for M1's two models and M2's all-linear one;
+  on M1, with --base the same base as a megacispo checkpoint gives the same tensors, bit for bit.
 - megatron-to-peft writes the attention adapters in PEFT's layout: PeftModel over the base HF model
-  gives the unmerged model's log-probs to 1e-5.
-- Bad inputs (a base that is not there, a base recorded at a path that moved, a base of another model,
-  a PEFT export of expert adapters, a PEFT export of a whole model, --base for a whole model) end with
+  gives the unmerged model's log-probs to 1e-5, on M1 and on M2.
+- Bad inputs (M1 alone: a base that is not there, a base recorded at a path that moved, a base of another
+  model, a PEFT export of expert adapters, a PEFT export of a whole model, --base for a whole model) end with
   exit code 2 and one ``error:`` line naming the field or the file and the fix, and write nothing.
+
+M2's part (its own module fixture: the two runs, the two exports above) adds about 7 s on two idle CPU cores
+(M1's fixture: about 12 s).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacispo.models.config import M1, M2
 from megacispo.testing.harness import run_distributed
 from megacispo.testing.hf_models import SEQUENCES, hf_config, hf_logprobs, hf_model
 
@@ -37,9 +42,15 @@ pytest.importorskip("peft")
 TOLERANCE = 1e-5
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.dropout=0.05", "optimizer.use_distributed_optimizer=false"]
 TARGETS = {
-    "all": "[qkv_proj,output_gate,out_proj,q_proj,k_proj,v_proj,o_proj,linear_fc1,linear_fc2]",
-    "attention": "[qkv_proj,output_gate,out_proj,q_proj,k_proj,v_proj,o_proj]",
+    M1: {"all": "[qkv_proj,output_gate,out_proj,q_proj,k_proj,v_proj,o_proj,linear_fc1,linear_fc2]",
+         "attention": "[qkv_proj,output_gate,out_proj,q_proj,k_proj,v_proj,o_proj]"},
+    M2: {"all": "[all-linear]", "attention": "[q_proj,k_proj,v_proj,o_proj]"},
 }
+# Each family's fixture; PeftModel's adapted parameters (A and B of each adapted linear) of its attention model:
+# M1's 7 lightning layers x 3 linears + 1 softmax layer x 4, M2's 4 softmax layers x 4.
+FIXTURES = {M1: "exported", M2: "exported_m2"}
+PEFT_ADAPTED = {M1: 2 * (7 * 3 + 4), M2: 2 * 4 * 4}
+MERGED = [(M1, "all"), (M1, "attention"), (M2, "all")]
 
 
 def _tool(argv: list[str]) -> tuple[int, str]:
@@ -55,26 +66,22 @@ def _tool(argv: list[str]) -> tuple[int, str]:
     return code, stderr.getvalue()
 
 
-def _lora_exports(root: str) -> dict:
-    """Both LoRA checkpoints, their exports and the bad inputs' errors; the unmerged models' fp64 log-probs."""
+def _lora_runs(root: Path, targets: dict[str, str]) -> tuple[dict, dict]:
+    """One LoRA model over ``root/hf`` for each of ``targets``, trained one step, given random B and saved in
+    ``root/run_NAME``: the unmerged models' fp64 log-probs and the checkpoints' step directories, by name."""
     from megacispo.checkpoint.distributed import save_checkpoint
     from megacispo.checkpoint.hf import load_start_weights
-    from megacispo.checkpoint.to_megatron import hf_to_megatron
     from megacispo.config import to_dict
     from megacispo.models.lora import adapted_linears
-    from megacispo.parallel.layout import ParallelConfig, init_distributed
     from megacispo.startup import run_config
     from megacispo.testing.parallel_case import one_update
     from megacispo.training.engine import Engine
 
-    root = Path(root)
-    init_distributed(ParallelConfig(), seed=3)
-    hf_to_megatron(root / "hf", root / "base_ckpt", progress=False)
     tokens = torch.tensor([SEQUENCES[0] * 2])
     generator = torch.Generator().manual_seed(5)
     logprobs, checkpoints = {}, {}
-    for name, targets in TARGETS.items():
-        config = run_config(None, [*LORA, f"lora.targets={targets}", f"train.load={root / 'hf'}"],
+    for name, target_list in targets.items():
+        config = run_config(None, [*LORA, f"lora.targets={target_list}", f"train.load={root / 'hf'}"],
                             load_field="train.load")
         engine = Engine(config, total_steps=1, peak_lr=1e-2)
         load_start_weights("train.load", config.train.load, engine)
@@ -93,24 +100,18 @@ def _lora_exports(root: str) -> dict:
                 ids = torch.tensor(sequence)[None]
                 scores = torch.log_softmax(model(ids).double(), dim=-1)[0, :-1]
                 logprobs[name].append(scores.gather(-1, ids[0, 1:, None])[:, 0])
+    return logprobs, checkpoints
 
-    moved = root / "moved" / checkpoints["attention"].name
+
+def _bad_inputs(root: Path, attention_checkpoint: Path) -> dict[str, list[str]]:
+    """M1's bad inputs: a copy of the attention checkpoint whose recorded base moved, and each case's argv."""
+    moved = root / "moved" / attention_checkpoint.name
     moved.parent.mkdir()
-    shutil.copytree(checkpoints["attention"], moved)
+    shutil.copytree(attention_checkpoint, moved)
     meta = json.loads((moved / "meta.json").read_text())
     meta["extra_state"]["lora_base"]["train.load"] = str(root / "hf_moved")
     (moved / "meta.json").write_text(json.dumps(meta))
-
-    # --ckpt as a checkpoints root (its newest step) and as a step directory.
-    exports = {
-        "merged_all": ["megatron-to-hf", "--ckpt", str(root / "run_all"), "--out", str(root / "merged_all")],
-        "merged_attention": ["megatron-to-hf", "--ckpt", str(checkpoints["attention"]),
-                             "--out", str(root / "merged_attention")],
-        "merged_from_ckpt": ["megatron-to-hf", "--ckpt", str(root / "run_all"), "--out",
-                             str(root / "merged_from_ckpt"), "--base", str(root / "base_ckpt")],
-        "peft": ["megatron-to-peft", "--ckpt", str(root / "run_attention"), "--out", str(root / "peft")],
-    }
-    bad = {
+    return {
         "no_base": ["megatron-to-hf", "--ckpt", str(root / "run_all"), "--base", str(root / "nowhere")],
         "moved_base": ["megatron-to-hf", "--ckpt", str(moved)],
         "other_model": ["megatron-to-hf", "--ckpt", str(root / "run_all"), "--base", str(root / "hf_other")],
@@ -118,6 +119,31 @@ def _lora_exports(root: str) -> dict:
         "peft_whole_model": ["megatron-to-peft", "--ckpt", str(root / "base_ckpt")],
         "base_for_whole_model": ["megatron-to-hf", "--ckpt", str(root / "base_ckpt"), "--base", str(root / "hf")],
     }
+
+
+def _lora_exports(root: str, family: str) -> dict:
+    """``family``'s LoRA checkpoints, their exports (M1: the bad inputs' errors too); the unmerged models'
+    fp64 log-probs."""
+    from megacispo.checkpoint.to_megatron import hf_to_megatron
+    from megacispo.parallel.layout import ParallelConfig, init_distributed
+
+    root = Path(root)
+    init_distributed(ParallelConfig(), seed=3)
+    if family == M1:
+        hf_to_megatron(root / "hf", root / "base_ckpt", progress=False)
+    logprobs, checkpoints = _lora_runs(root, TARGETS[family])
+    # --ckpt as a checkpoints root (its newest step) and (M1's merged_attention) as a step directory.
+    exports = {
+        "merged_all": ["megatron-to-hf", "--ckpt", str(root / "run_all"), "--out", str(root / "merged_all")],
+        "peft": ["megatron-to-peft", "--ckpt", str(root / "run_attention"), "--out", str(root / "peft")],
+    }
+    bad = {}
+    if family == M1:
+        exports["merged_attention"] = ["megatron-to-hf", "--ckpt", str(checkpoints["attention"]),
+                                       "--out", str(root / "merged_attention")]
+        exports["merged_from_ckpt"] = ["megatron-to-hf", "--ckpt", str(root / "run_all"), "--out",
+                                       str(root / "merged_from_ckpt"), "--base", str(root / "base_ckpt")]
+        bad = _bad_inputs(root, checkpoints["attention"])
     results = {"logprobs": logprobs, "exports": {}, "errors": {}}
     for name, argv in exports.items():
         results["exports"][name] = _tool([*argv, *(["--no-progress"] if argv[0] == "megatron-to-hf" else [])])
@@ -130,17 +156,27 @@ def _lora_exports(root: str) -> dict:
     return results
 
 
+def _export_family(root: Path, family: str) -> dict:
+    """``family``'s tiny HF model saved in ``root/hf``, then _lora_exports of it in a new process."""
+    hf_model(family).save_pretrained(root / "hf")
+    (results,) = run_distributed(_lora_exports, 1, str(root), family)
+    return {"root": root, "base_logprobs": hf_logprobs(_fp64_hf_model(root / "hf")), **results}
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from transformers import MiniMaxForCausalLM
 
     root = tmp_path_factory.mktemp("lora_export")
-    hf_model().save_pretrained(root / "hf")
     other = hf_config()
     other.intermediate_size = 48
     MiniMaxForCausalLM(other).save_pretrained(root / "hf_other")
-    (results,) = run_distributed(_lora_exports, 1, str(root))
-    return {"root": root, "base_logprobs": hf_logprobs(_fp64_hf_model(root / "hf")), **results}
+    return _export_family(root, M1)
+
+
+@pytest.fixture(scope="module")
+def exported_m2(tmp_path_factory):
+    return _export_family(tmp_path_factory.mktemp("lora_export_m2"), M2)
 
 
 def _fp64_hf_model(directory: Path):
@@ -156,13 +192,15 @@ def _assert_close(found: list[torch.Tensor], expected: list[torch.Tensor]) -> No
         torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
 
 
-def test_exports_succeed(exported):
-    for name, (code, stderr) in exported["exports"].items():
+@pytest.mark.parametrize("family", FIXTURES)
+def test_exports_succeed(request, family):
+    for name, (code, stderr) in request.getfixturevalue(FIXTURES[family])["exports"].items():
         assert code == 0, f"{name}: {stderr}"
 
 
-@pytest.mark.parametrize("targets", TARGETS)
-def test_merged_export_computes_the_unmerged_model(exported, targets):
+@pytest.mark.parametrize(("family", "targets"), MERGED)
+def test_merged_export_computes_the_unmerged_model(request, family, targets):
+    exported = request.getfixturevalue(FIXTURES[family])
     merged = _fp64_hf_model(exported["root"] / f"merged_{targets}")
     # The adapters change the log-probs, and the merged weights compute what the unmerged adapters do.
     assert max((a - b).abs().max().item() for a, b in zip(exported["logprobs"][targets], exported["base_logprobs"])
@@ -188,21 +226,21 @@ def test_a_megacispo_base_merges_to_the_same_tensors(exported):
     assert all(torch.equal(from_hf[name], from_ckpt[name]) for name in from_hf)
 
 
-def test_peft_loads_the_adapters_over_the_base(exported):
+@pytest.mark.parametrize("family", FIXTURES)
+def test_peft_loads_the_adapters_over_the_base(request, family):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    exported = request.getfixturevalue(FIXTURES[family])
     root = exported["root"]
     config = json.loads((root / "peft" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert config["lora_dropout"] == 0.05 and config["base_model_name_or_path"] == str(root / "hf")
-    assert config["target_modules"] == sorted(["qkv_proj", "output_gate", "out_proj", "q_proj", "k_proj", "v_proj",
-                                               "o_proj"])
+    assert config["target_modules"] == sorted(TARGETS[family]["attention"].strip("[]").split(","))
     base = AutoModelForCausalLM.from_pretrained(root / "hf", experts_implementation="eager")
     model = PeftModel.from_pretrained(base, root / "peft")
     adapted = {name for name, _ in model.named_parameters() if "lora_" in name}
-    # 7 lightning layers x 3 linears + 1 softmax layer x 4, each with A and B.
-    assert len(adapted) == 2 * (7 * 3 + 4)
+    assert len(adapted) == PEFT_ADAPTED[family]
     _assert_close(hf_logprobs(model.eval().double()), exported["logprobs"]["attention"])
 
 
