@@ -21,8 +21,12 @@ import types
 
 import torch
 
+from megacispo.models.config import LORA_LIGHTNING_TARGETS, LORA_SOFTMAX_TARGETS
 from megacispo.testing.harness import run_distributed
 from megacispo.testing.memory import proc_status_mib, reset_peak_rss
+
+
+ATTENTION_TARGETS = LORA_LIGHTNING_TARGETS + LORA_SOFTMAX_TARGETS
 
 
 def measure(overrides: list[str], batch: int, seq: int, steps: int) -> dict:
@@ -71,9 +75,12 @@ def main() -> None:
     args = parser.parse_args()
 
     variants = {"full fine-tuning": []}
-    for rank in args.ranks.split(","):
+    ranks = args.ranks.split(",")
+    for rank in ranks:
         # train.load is the base a LoRA run starts from; this benchmark keeps the random one.
         variants[f"LoRA rank {rank}, all-linear"] = [f"lora.rank={rank}", "train.load=unused"]
+    variants[f"LoRA rank {ranks[0]}, attention only"] = [
+        f"lora.rank={ranks[0]}", "train.load=unused", f"lora.targets=[{','.join(ATTENTION_TARGETS)}]"]
     print(f"model.size {args.size}, fp32, batch {args.batch} x {args.seq} tokens, median of {args.steps} updates, "
           f"torch threads {torch.get_num_threads()}\n")
     print("| training | trainable params | grads + Adam state (MiB) | update tokens/s | peak memory (MiB) |")

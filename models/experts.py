@@ -74,7 +74,7 @@ from megacispo.models.layers import (
     weight_places,
     weights_at,
 )
-from megacispo.models.lora import adapted_linears
+from megacispo.models.lora import LoraAdapted, adapted_linears
 
 
 def swiglu_experts(config: TransformerConfig) -> bool:
@@ -97,13 +97,22 @@ def supports_fused_forward(config: TransformerConfig) -> bool:
     return swiglu_experts(config) and not (config.fp8 or config.fp4) and not config.delay_wgrad_compute
 
 
-def expert_mlp(tokens: torch.Tensor, probs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> torch.Tensor:
+def expert_mlp(
+    tokens: torch.Tensor, probs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
+    fc1_adapter: LoraAdapted | None = None, fc2_adapter: LoraAdapted | None = None,
+) -> torch.Tensor:
     """One expert on its tokens [m, H] with routing weights [m] -> [m, H], as Megatron's MLP computes
-    it (the weight is applied after the SwiGLU, in fp32 when probs are, then cast back)."""
-    gate, up = F.linear(tokens, fc1_weight).chunk(2, dim=-1)
+    it (the weight is applied after the SwiGLU, in fp32 when probs are, then cast back); with each
+    linear's LoRA adapter (models/lora.py) where it has one, as its forward adds it."""
+    gate, up = _adapted_linear(tokens, fc1_weight, fc1_adapter).chunk(2, dim=-1)
     intermediate = F.silu(gate) * up
     intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
-    return F.linear(intermediate, fc2_weight)
+    return _adapted_linear(intermediate, fc2_weight, fc2_adapter)
+
+
+def _adapted_linear(inputs: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapted | None) -> torch.Tensor:
+    product = F.linear(inputs, weight)
+    return product if adapter is None else torch.add(product, adapter.update(inputs), alpha=adapter.lora_scale)
 
 
 def run_experts(
@@ -114,16 +123,19 @@ def run_experts(
     fc2_weights: list[torch.Tensor],
     *,
     run_idle: bool,
+    adapters: tuple[list[LoraAdapted | None], list[LoraAdapted | None]] | None = None,
 ) -> torch.Tensor:
     """rows [n, H] sorted by expert, counts[e] of them for expert e, routing weights probs [n] ->
     each row's expert output [n, H]. ``run_idle`` also runs the experts without rows (an empty
-    matmul), so that every expert weight gets a gradient under autograd."""
+    matmul), so that every expert weight gets a gradient under autograd. ``adapters``: each expert's
+    linear_fc1 and linear_fc2 where it has a LoRA adapter to add (else None)."""
+    fc1_adapters, fc2_adapters = adapters or ([None] * len(counts), [None] * len(counts))
     # One split, whose backward is one cat, rather than a slice per expert, whose backward
     # would write a zero tensor of all n rows for each expert and add them up.
     outputs = [
-        expert_mlp(expert_rows, expert_probs, fc1_weight, fc2_weight)
-        for expert_rows, expert_probs, fc1_weight, fc2_weight, count in zip(
-            rows.split(counts), probs.split(counts), fc1_weights, fc2_weights, counts
+        expert_mlp(expert_rows, expert_probs, fc1_weight, fc2_weight, fc1_adapter, fc2_adapter)
+        for expert_rows, expert_probs, fc1_weight, fc2_weight, fc1_adapter, fc2_adapter, count in zip(
+            rows.split(counts), probs.split(counts), fc1_weights, fc2_weights, fc1_adapters, fc2_adapters, counts
         )
         if count or run_idle
     ]
@@ -419,9 +431,8 @@ class SkipEmptySequentialMLP(SequentialMLP, StacksExpertWeights):
     ) -> tuple[torch.Tensor, None]:
         """permuted_local_hidden_states [n, H], sorted by local expert; tokens_per_expert [E_local]
         (sums to n); permuted_probs [n] the routing weight of each row. Returns ([n, H], None).
-        Experts with adapters run SequentialMLP's forward (their linears' adapter branch) unless the
-        adapters are merged into the weights (within a rollout)."""
-        if not supports_fused_forward(self.config) or not all(linear.adapters_merged for linear in self._adapted):
+        Experts with LoRA adapters add them, unless they are merged into the weights (within a rollout)."""
+        if not supports_fused_forward(self.config):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         rows = permuted_local_hidden_states
         if not torch.is_grad_enabled() and self._stacked is not None and grouped_products_take(rows, *self._stacked):
@@ -431,8 +442,16 @@ class SkipEmptySequentialMLP(SequentialMLP, StacksExpertWeights):
         fc1_weights, fc2_weights = self.expert_weights()
         return run_experts(
             permuted_local_hidden_states, tokens_per_expert.tolist(), permuted_probs, fc1_weights, fc2_weights,
-            run_idle=torch.is_grad_enabled(),
+            run_idle=torch.is_grad_enabled(), adapters=self._unmerged_adapters(),
         ), None
+
+    def _unmerged_adapters(self) -> tuple[list[LoraAdapted | None], list[LoraAdapted | None]] | None:
+        """Each local expert's linear_fc1 and linear_fc2 where it has an adapter not merged into its weight."""
+        if all(linear.adapters_merged for linear in self._adapted):
+            return None
+        return tuple([linear if isinstance(linear, LoraAdapted) else None
+                      for linear in (getattr(expert, name) for expert in self.local_experts)]
+                     for name in ("linear_fc1", "linear_fc2"))
 
     def expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(linear_fc1 weights, linear_fc2 weights) of the local experts, in expert order.

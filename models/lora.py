@@ -31,9 +31,9 @@ from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megacispo.models.config import LoraConfig, is_adapter_parameter
 from megacispo.checkpoint.distributed import sharded_metadata
-from megacispo.models.layers import parameter_device
+from megacispo.models.config import LoraConfig, is_adapter_parameter
+from megacispo.models.layers import at_least_fp32, parameter_device
 from megacispo.parallel.sharded import piece_index, sharded_tensors
 
 
@@ -52,9 +52,11 @@ class _LinearSummingWeightGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         inputs, weight = ctx.saved_tensors
         grad_inputs = grad @ weight
-        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ inputs.reshape(-1, inputs.shape[-1])
+        # Summed in at least fp32, as Megatron's DDP reduces bf16 weights' gradients.
+        rows, columns = grad.reshape(-1, grad.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
+        grad_weight = at_least_fp32(rows).t() @ at_least_fp32(columns)
         torch.distributed.all_reduce(grad_weight, group=ctx.group)
-        return grad_inputs, grad_weight, None
+        return grad_inputs, grad_weight.to(weight.dtype), None
 
 
 def _linear(inputs: torch.Tensor, weight: torch.Tensor, grad_group) -> torch.Tensor:
@@ -83,7 +85,13 @@ class LoraAdapted:
         for param in (self.lora_A, self.lora_B):
             setattr(param, "allreduce", self.weight.allreduce)
 
+    def update(self, inputs: torch.Tensor) -> torch.Tensor:
+        """B (A x) of the input W's product takes (unscaled: the caller adds it with alpha ``lora_scale``), as
+        this rank's share of the layer's output: reduced as W's product is (or left partial where W's is)."""
+        raise NotImplementedError
+
     def _adapter_input(self, inputs: torch.Tensor) -> torch.Tensor:
+        # Each rank draws its own mask (its own tokens, channels or output rows: a mask per rank is a mask).
         return F.dropout(inputs, self.lora_dropout, self.training) if self.lora_dropout else inputs
 
     def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -128,8 +136,11 @@ class LoraColumnParallelLinear(LoraAdapted, tensor_parallel.ColumnParallelLinear
         output, bias = super().forward(input_, weight, runtime_gather_output)
         if self.adapters_merged:
             return output, bias
-        down = _linear(self._adapter_input(input_), self.lora_A, self.tp_group)  # [..., r]
-        return torch.add(output, F.linear(down, self.lora_B), alpha=self.lora_scale), bias
+        return torch.add(output, self.update(input_), alpha=self.lora_scale), bias
+
+    def update(self, inputs: torch.Tensor) -> torch.Tensor:
+        down = _linear(self._adapter_input(inputs), self.lora_A, self.tp_group)  # [..., r]
+        return F.linear(down, self.lora_B)
 
     def _sharded_axes(self) -> dict[str, int]:
         return {"weight": 0, "bias": 0, "lora_B": 0}
@@ -154,7 +165,10 @@ class LoraRowParallelLinear(LoraAdapted, tensor_parallel.RowParallelLinear):
         output, bias = super().forward(input_)
         if self.adapters_merged:
             return output, bias
-        down = F.linear(self._adapter_input(input_), self.lora_A)  # [..., r], partial over TP
+        return torch.add(output, self.update(input_), alpha=self.lora_scale), bias
+
+    def update(self, inputs: torch.Tensor) -> torch.Tensor:
+        down = F.linear(self._adapter_input(inputs), self.lora_A)  # [..., r], partial over TP
         tp_size = self.tp_group.size()
         if tp_size > 1 and not self.explicit_expert_comm:
             if self.sequence_parallel:
@@ -163,7 +177,7 @@ class LoraRowParallelLinear(LoraAdapted, tensor_parallel.RowParallelLinear):
                 down = tensor_parallel.reduce_from_tensor_model_parallel_region(down, group=self.tp_group)
         # Each rank's B then sees other tokens (sequence parallel) or a partial sum (experts): sum its gradient.
         grad_group = self.tp_group if self.sequence_parallel or self.explicit_expert_comm else None
-        return torch.add(output, _linear(down, self.lora_B, grad_group), alpha=self.lora_scale), bias
+        return _linear(down, self.lora_B, grad_group)
 
     def _sharded_axes(self) -> dict[str, int]:
         return {"weight": 1, "lora_A": 1}
