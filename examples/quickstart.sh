@@ -9,7 +9,8 @@
 #   ENGINE [megacispo]   vllm (FAMILY=minimax-m2): RL's rollouts and evaluations on vLLM's CPU build, in
 #                        .venv-vllm (rollout.engine=vllm)
 #   LORA [0]   a rank: RL trains LoRA adapters of that rank on the frozen SFT model (lora.rank), its
-#              checkpoints the adapters alone
+#              checkpoints the adapters alone, at optimizer.lr 1e-3 (full RL's 2e-4 is too low for them:
+#              docs/reports/benchmarks.md#lora-on-the-cpu-quick-start)
 # Every run starts over: the last run's checkpoints and TensorBoard logs under RUN_DIR go first, so RL
 # never loads another run's (newer-stepped) SFT checkpoint and TensorBoard shows this run alone.
 set -euo pipefail
@@ -40,7 +41,9 @@ case "$ENGINE" in
           RL_MODEL="$RL_MODEL --set rollout.engine=vllm" ;;
     *) echo "error: ENGINE=$ENGINE: use megacispo or vllm" >&2; exit 2 ;;
 esac
-RL_MODEL="$RL_MODEL --set lora.rank=$LORA"
+if [ "$LORA" != 0 ]; then
+    RL_MODEL="$RL_MODEL --set lora.rank=$LORA --set optimizer.lr=1e-3"
+fi
 py=$venv/bin/python
 export PYTHONWARNINGS="ignore"
 export OMP_NUM_THREADS=1
