@@ -44,7 +44,8 @@ from megacispo.checkpoint.distributed import (
     resolve_checkpoint,
 )
 from megacispo.checkpoint.formats import is_hf_directory
-from megacispo.checkpoint.hf import check_hf_checkpoint, hf_params_dtype_name
+from megacispo.checkpoint.hf import hf_params_dtype_name
+from megacispo.checkpoint.hf_reader import check_hf_checkpoint
 from megacispo.config import Config
 from megacispo.models.config import HybridModelConfig, model_shape
 from megacispo.parallel.layout import (

@@ -206,9 +206,11 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
             if tensor.key.endswith(".lora_B"):
                 tensor.data.zero_()
                 continue
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(tensor.key.encode()))
+            # Drawn on the host, the same on every device; each rank copies its piece to its parameter.
+            generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(tensor.key.encode()))
             bound = tensor.global_shape[-1] ** -0.5
-            whole = torch.empty(tensor.global_shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator)
+            whole = torch.empty(tensor.global_shape, dtype=torch.float64, device="cpu")
+            whole.uniform_(-bound, bound, generator=generator)
             tensor.data.copy_(whole[piece_index(tensor.global_offset, tensor.prepend_axis_num, tensor.data.shape)])
 
 
@@ -216,12 +218,13 @@ def base_fingerprint(model: torch.nn.Module) -> list[float]:
     """[sum, sum of squares] over every weight of the frozen base (adapters left out), in fp64, summed over
     the world with each piece counted once (its main replica): the same at any layout but for the
     order of the sums, so an adapter checkpoint recognizes the base it was trained on. Call on every rank."""
-    sums = torch.zeros(2, dtype=torch.float64)
+    # On the weights' device: the all-reduce runs on the run's backend.
+    sums = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for tensor in sharded_tensors(model.sharded_state_dict(metadata=sharded_metadata())):
         if is_adapter_parameter(tensor.key) or not is_main_replica(tensor.replica_id):
             continue
         values = tensor.data.detach().to(torch.float64)
-        sums += torch.stack([values.sum(), values.square().sum()]).cpu()
+        sums += torch.stack([values.sum(), values.square().sum()])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(sums)
     return sums.tolist()

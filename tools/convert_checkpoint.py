@@ -43,15 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     to_megatron.add_argument("--dtype", choices=["auto", *PARAMS_DTYPES], default="auto",
                              help="parameter dtype of the checkpoint (auto: the HF tensors' dtype)")
     to_hf = commands.add_parser("megatron-to-hf", help="megacispo checkpoint -> HF directory")
-    to_hf.add_argument("--ckpt", required=True, help="step_* directory, or a checkpoints root (its newest step)")
+    to_peft = commands.add_parser("megatron-to-peft", help="a LoRA run's checkpoint -> PEFT LoRA adapter directory")
+    for command in (to_hf, to_peft):
+        command.add_argument("--ckpt", required=True, help="step_* directory, or a checkpoints root (its newest step)")
     to_hf.add_argument("--out", required=True, help="new HF model directory")
     to_hf.add_argument("--base", default=None,
                        help="a LoRA run's checkpoint: the base its adapters merge into, a megacispo checkpoint or "
                             "an HF directory (default: the run's train.load, as the checkpoint records it)")
     to_hf.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                        help="largest safetensors shard (default 5 GiB)")
-    to_peft = commands.add_parser("megatron-to-peft", help="a LoRA run's checkpoint -> PEFT LoRA adapter directory")
-    to_peft.add_argument("--ckpt", required=True, help="step_* directory, or a checkpoints root (its newest step)")
     to_peft.add_argument("--out", required=True, help="new adapter directory")
     to_peft.add_argument("--base", default=None,
                          help="adapter_config.json's base_model_name_or_path, the HF directory PEFT loads the "

@@ -4,9 +4,6 @@ scoring and writes them at the end of a run.
 (Telling an HF directory from a megacispo checkpoint, and the model its config.json describes, are
 megacispo.checkpoint.formats': the run config reads them.)
 
-- ``check_hf_checkpoint`` checks before any model is built that its safetensors hold exactly the
-  model's tensors, with the model's shapes (headers only; ``model_tensor_shapes`` gives the shapes
-  from the config, since no model exists yet);
 - ``load_hf_weights`` fills each rank's piece of the model in-process: the model's sharded state
   dict says, for every tensor of this rank, its checkpoint key, global shape and the region
   (offsets) it holds at this TP / PP / EP layout; megacispo.checkpoint.hf_reader's HFChunkSource reads that
@@ -30,51 +27,7 @@ from megacispo.checkpoint.formats import dtype_name, is_hf_directory
 from megacispo.checkpoint.to_hf import write_hf_files
 from megacispo.files import staged_directory
 from megacispo.models import hf_names
-from megacispo.models.config import LIGHTNING, M2, SOFTMAX, HybridModelConfig, is_adapter_parameter
-
-
-def model_tensor_shapes(config: HybridModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the model under its checkpoint key with its global shape (experts stacked),
-    from the config alone: known before any process group or model exists."""
-    hidden, width = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv_width = config.num_query_groups * config.head_dim
-    experts, inner = config.num_experts, config.moe_ffn_hidden_size
-    shapes = {
-        "embedding.word_embeddings.weight": (config.vocab_size, hidden),
-        "decoder.final_layernorm.weight": (hidden,),
-        "output_layer.weight": (config.vocab_size, hidden),
-    }
-    mixers = {
-        LIGHTNING: {"qkv_proj": (3 * width, hidden), "output_gate": (width, hidden), "norm": (width,),
-                    "out_proj": (hidden, width)},
-        SOFTMAX: {"q_proj": (width, hidden), "k_proj": (kv_width, hidden), "v_proj": (kv_width, hidden),
-                  "o_proj": (hidden, width)},
-    }
-    for layer in range(config.num_layers):
-        prefix = f"decoder.layers.{layer}."
-        shapes[prefix + "input_layernorm.weight"] = (hidden,)
-        shapes[prefix + "pre_mlp_layernorm.weight"] = (hidden,)
-        for name, shape in mixers[config.layer_kind(layer)].items():
-            shapes[f"{prefix}self_attention.{name}.weight"] = shape
-        shapes[prefix + hf_names.ROUTER_KEY] = (experts, hidden)
-        if config.family == M2:
-            q_norm, k_norm = hf_names.QK_NORM_NAMES
-            shapes.update({prefix + q_norm: (width,), prefix + k_norm: (kv_width,),
-                           prefix + hf_names.ROUTER_BIAS_KEY: (experts,)})
-        shapes[prefix + hf_names.EXPERT_FC1_KEY] = (experts, 2 * inner, hidden)
-        shapes[prefix + hf_names.EXPERT_FC2_KEY] = (experts, hidden, inner)
-    return shapes
-
-
-def check_hf_checkpoint(path: str | os.PathLike, config: HybridModelConfig) -> None:
-    """Before any model is built: the HF directory at ``path`` has its config.json and readable
-    safetensors holding every tensor of ``config``'s model with its shape, and no other (the
-    derived lightning decay buffers aside), in a dtype megacispo reads. Reads headers only
-    (hf_reader.check_hf_tensors, as the converter checks them). ValueError naming the tensor and
-    the file."""
-    checkpoint = hf_reader.read_hf_checkpoint(path)
-    mappings = hf_names.tensor_mappings(config, hf_names.detect_experts_layout(checkpoint.file_of))
-    hf_reader.check_hf_tensors(checkpoint, mappings, model_tensor_shapes(config))
+from megacispo.models.config import HybridModelConfig, is_adapter_parameter
 
 
 def hf_params_dtype_name(path: str | os.PathLike) -> str:
@@ -89,7 +42,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     model's sharded state dict gets the region of its global tensor that it holds, read from the
     HF tensors (one expert at a time for the stacked experts), checked to be finite and cast to the
     parameter's dtype: CheckpointError on every rank, naming the tensor and the file, when one
-    rank's piece holds a NaN or an infinity. ``check_hf_checkpoint`` has checked the directory
+    rank's piece holds a NaN or an infinity. ``hf_reader.check_hf_checkpoint`` has checked the directory
     before the model was built."""
     # Megatron-Core on first use: the train dry run imports this module and must import none of it.
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -142,7 +95,7 @@ def check_start_weights(field: str, path: str | os.PathLike, config: HybridModel
         weights_checkpoint(field, path, config)
         return
     try:
-        check_hf_checkpoint(path, config)
+        hf_reader.check_hf_checkpoint(path, config)
     except ValueError as error:
         raise CheckpointError(f"{field}: {error}") from None
 

@@ -1,8 +1,9 @@
 """Reading a Hugging Face MiniMax directory: its config.json and its tensors' files, shapes and dtypes
 from the headers, checked against the model before anything is written or built
-(``check_hf_tensors``, which the converter and the run-time loader share), and each tensor (or the
-region of one of ours that a chunk covers) read with exactly the bytes it needs and checked to be
-finite.
+(``check_hf_tensors``, which the converter and the run-time loader share; ``check_hf_checkpoint``
+before any model is built, with the shapes ``model_tensor_shapes`` gives from the config), and each
+tensor (or the region of one of ours that a chunk covers) read with exactly the bytes it needs and
+checked to be finite.
 
 Block-quantized FP8 checkpoints (the released MiniMax-M2 line; DeepSeek-V3's layout: config.json's
 ``quantization_config`` says quant_method "fp8" with a ``weight_block_size`` [rows, cols]) store a
@@ -31,7 +32,8 @@ from megacispo.checkpoint.formats import (
     read_json,
 )
 from megacispo.checkpoint.streaming import TensorMeter, check_finite, nbytes
-from megacispo.models.config import PARAMS_DTYPES
+from megacispo.models import hf_names
+from megacispo.models.config import LIGHTNING, M2, PARAMS_DTYPES, SOFTMAX, HybridModelConfig
 from megacispo.models.hf_names import EXPERT_FC1_KEY, EXPERT_FC2_KEY, FUSED, mtp_layer_prefixes
 
 # Derived (recomputed) lightning buffers that HF may hold: neither read nor written.
@@ -335,3 +337,47 @@ class HFChunkSource:
             # legacy names run expert by expert: w1, w3 of expert 0, then of expert 1, ...
             return torch.cat([self.reader.read(mapping.hf_names[2 * expert + half]) for half in (0, 1)])
         return self.reader.read(mapping.hf_names[expert])
+
+
+def model_tensor_shapes(config: HybridModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model under its checkpoint key with its global shape (experts stacked),
+    from the config alone: known before any process group or model exists."""
+    hidden, width = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv_width = config.num_query_groups * config.head_dim
+    experts, inner = config.num_experts, config.moe_ffn_hidden_size
+    shapes = {
+        "embedding.word_embeddings.weight": (config.vocab_size, hidden),
+        "decoder.final_layernorm.weight": (hidden,),
+        "output_layer.weight": (config.vocab_size, hidden),
+    }
+    mixers = {
+        LIGHTNING: {"qkv_proj": (3 * width, hidden), "output_gate": (width, hidden), "norm": (width,),
+                    "out_proj": (hidden, width)},
+        SOFTMAX: {"q_proj": (width, hidden), "k_proj": (kv_width, hidden), "v_proj": (kv_width, hidden),
+                  "o_proj": (hidden, width)},
+    }
+    for layer in range(config.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "pre_mlp_layernorm.weight"] = (hidden,)
+        for name, shape in mixers[config.layer_kind(layer)].items():
+            shapes[f"{prefix}self_attention.{name}.weight"] = shape
+        shapes[prefix + hf_names.ROUTER_KEY] = (experts, hidden)
+        if config.family == M2:
+            q_norm, k_norm = hf_names.QK_NORM_NAMES
+            shapes.update({prefix + q_norm: (width,), prefix + k_norm: (kv_width,),
+                           prefix + hf_names.ROUTER_BIAS_KEY: (experts,)})
+        shapes[prefix + hf_names.EXPERT_FC1_KEY] = (experts, 2 * inner, hidden)
+        shapes[prefix + hf_names.EXPERT_FC2_KEY] = (experts, hidden, inner)
+    return shapes
+
+
+def check_hf_checkpoint(path: str | os.PathLike, config: HybridModelConfig) -> None:
+    """Before any model is built: the HF directory at ``path`` has its config.json and readable
+    safetensors holding every tensor of ``config``'s model with its shape, and no other (the
+    derived lightning decay buffers aside), in a dtype megacispo reads. Reads headers only
+    (``check_hf_tensors``, as the converter checks them). ValueError naming the tensor and
+    the file."""
+    checkpoint = read_hf_checkpoint(path)
+    mappings = hf_names.tensor_mappings(config, hf_names.detect_experts_layout(checkpoint.file_of))
+    check_hf_tensors(checkpoint, mappings, model_tensor_shapes(config))

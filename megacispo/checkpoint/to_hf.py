@@ -124,16 +124,13 @@ class HFBaseReader:
     def __init__(self, directory: Path, config: HybridModelConfig, meter: TensorMeter | None = None):
         """ValueError naming the tensor and the file when the directory does not hold ``config``'s model
         (headers only, as train.load checks it)."""
-        # megacispo.checkpoint.hf imports this module (export_hf writes with write_hf_files).
-        from megacispo.checkpoint.hf import check_hf_checkpoint, model_tensor_shapes
-
-        check_hf_checkpoint(directory, config)
+        hf_reader.check_hf_checkpoint(directory, config)
         checkpoint = hf_reader.read_hf_checkpoint(directory)
         layout = hf_names.detect_experts_layout(checkpoint.file_of)
         embedding = hf_names.GLOBAL_NAMES["embedding.word_embeddings.weight"]
         self.path = directory
         self.dtype = SAFETENSORS_DTYPE_OF[checkpoint.dtype_of[embedding]]
-        self.shapes = model_tensor_shapes(config)
+        self.shapes = hf_reader.model_tensor_shapes(config)
         self.source = hf_reader.HFChunkSource(hf_reader.HFTensorReader(checkpoint, meter),
                                               hf_names.tensor_mappings(config, layout), layout, self.dtype)
 
@@ -500,10 +497,7 @@ def write_peft_files(ckpt: str | os.PathLike, directory: Path, *, base: str | os
             f"{lora.targets}): transformers 5.x holds MiniMax's experts as fused parameters (mlp.experts.gate_up_proj, "
             f"down_proj), which PEFT's target_modules cannot adapt; export the merged model with megatron-to-hf "
             f"instead, or train with lora.targets listing the attention projections alone.")
-    # megacispo.checkpoint.hf imports this module (export_hf writes with write_hf_files).
-    from megacispo.checkpoint.hf import model_tensor_shapes
-
-    adapters.check(model_tensor_shapes(config))
+    adapters.check(hf_reader.model_tensor_shapes(config))
     hf_name_of = {mapping.key: mapping.hf_names[0] for mapping in hf_names.tensor_mappings(config)}
     tensors, target_modules = {}, set()
     for key in sorted(adapters.weight_keys):

@@ -56,13 +56,13 @@ from megacispo.checkpoint.distributed import (
     write_meta,
 )
 from megacispo.checkpoint.formats import dtype_name, hf_model_config
-from megacispo.checkpoint.hf import model_tensor_shapes
 from megacispo.checkpoint.hf_reader import (
     Chunk,
     HFChunkSource,
     HFTensorReader,
     check_hf_tensors,
     hf_params_dtype,
+    model_tensor_shapes,
     read_hf_checkpoint,
 )
 from megacispo.checkpoint.streaming import TensorMeter, check_new, nbytes, single_process_dcp

@@ -248,7 +248,7 @@ CATALOG = [
                "lora.targets = ['q_proj']: ['q_proj'] name no layer of this minimax-m1 model",
                "(its linears: linear_fc1, linear_fc2, qkv_proj, output_gate, out_proj); remove them",
                id="lora-target-absent"),
-    config_row("train", quick("lora.rank=64"), "lora.rank = 64: linear_fc1 is [128, 64]",
+    config_row("train", quick("lora.rank=64"), "lora.rank = 64: qkv_proj is [192, 64]",
                "use lora.rank < 64", id="lora-rank-too-large"),
     config_row("train", quick("lora.rank=4", "lora.dropout=1.5"), "lora.dropout = 1.5: use a probability in [0, 1)",
                id="lora-dropout"),

@@ -110,7 +110,7 @@ def test_pre_build_shapes_are_the_models(converted):
     """model_tensor_shapes (the pre-build check's shapes, from the config alone) equals what the model
     built on the meta device holds, for two configs."""
     from megacispo.checkpoint.formats import hf_model_config
-    from megacispo.checkpoint.hf import model_tensor_shapes
+    from megacispo.checkpoint.hf_reader import model_tensor_shapes
 
     config = hf_model_config(converted / "hf")
     configs = [config, config.replace(num_query_groups=4, head_dim=16, rotary_dim=16, layer_pattern="LS", num_layers=4)]

@@ -228,7 +228,7 @@ def test_m2_multi_token_prediction_modules_are_passed_over_saying_so(m2_hf, tmp_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from megacispo.checkpoint.hf import check_hf_checkpoint
+    from megacispo.checkpoint.hf_reader import check_hf_checkpoint
     from megacispo.models.hf_names import config_from_hf
 
     root, _ = m2_hf
@@ -275,7 +275,7 @@ def test_a_block_quantized_fp8_m2_checkpoint_is_read_dequantized(m2_hf, tmp_path
     from safetensors.torch import load_file, save_file
     from transformers import MiniMaxM2ForCausalLM
 
-    from megacispo.checkpoint.hf import check_hf_checkpoint
+    from megacispo.checkpoint.hf_reader import check_hf_checkpoint
     from megacispo.checkpoint.hf_reader import dequantize_fp8
     from megacispo.models.hf_names import config_from_hf
     from megacispo.testing.hf_models import hf_logprobs
@@ -335,7 +335,7 @@ def _to_hf(checkpoint: str, out: str) -> None:
                                                          "'weight_block_size': None}"),
 ])
 def test_a_quantization_megacispo_does_not_read_is_refused_naming_it(m2_hf, tmp_path, quantization, message):
-    from megacispo.checkpoint.hf import check_hf_checkpoint
+    from megacispo.checkpoint.hf_reader import check_hf_checkpoint
     from megacispo.models.config import model_config
 
     root, _ = m2_hf

@@ -56,9 +56,9 @@ class RowGroupedLinearTwin(_GroupedLinearTwin):
         super().__init__(num_gemms, divide(input_size, pg_collection.expt_tp.size()), output_size, **kwargs)
 
 
-def twin_te_moe_spec(num_experts: int):
-    """models.decoder_layer.te_moe_spec with the twins in place of TE's grouped linears."""
-    spec = decoder_layer.te_moe_spec(num_experts)
+def twin_te_moe_spec(num_experts: int, lora=None):
+    """models.decoder_layer.te_moe_spec (with its LoRA argument) with the twins in place of TE's grouped linears."""
+    spec = decoder_layer.te_moe_spec(num_experts, lora)
     experts = spec.submodules.experts
     linears = dataclasses.replace(
         experts.submodules,
