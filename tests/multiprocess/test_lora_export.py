@@ -10,7 +10,8 @@ saves it: its adapters alone, the base recorded as extra_state.lora_base.
 - megatron-to-hf writes the merged model: transformers' log-probs of it equal the unmerged LoRA model's
   (both in fp64, so that only the fp32 rounding of the merged weights differs; transformers' experts
   then run eagerly: its grouped GEMM takes no fp64) to 1e-5, for M1's two models and M2's all-linear one;
-  on M1, with --base the same base as a megacispo checkpoint gives the same tensors, bit for bit.
+  on M1, megacispo.score of it (fp32) gives the unmerged model's log-probs to 1e-5 too, and with --base the
+  same base as a megacispo checkpoint gives the same tensors, bit for bit.
 - megatron-to-peft writes the attention adapters in PEFT's layout: PeftModel over the base HF model
   gives the unmerged model's log-probs to 1e-5, on M1 and on M2.
 - Bad inputs (M1 alone: a base that is not there, a base recorded at a path that moved, a base of another
@@ -34,7 +35,7 @@ import torch
 
 from megacispo.models.config import M1, M2
 from megacispo.testing.harness import run_distributed
-from megacispo.testing.hf_models import SEQUENCES, hf_config, hf_logprobs, hf_model
+from megacispo.testing.hf_models import SEQUENCES, hf_config, hf_logprobs, hf_model, score_main
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -206,6 +207,17 @@ def test_merged_export_computes_the_unmerged_model(request, family, targets):
     assert max((a - b).abs().max().item() for a, b in zip(exported["logprobs"][targets], exported["base_logprobs"])
                if len(a)) > 1e-2
     _assert_close(hf_logprobs(merged), exported["logprobs"][targets])
+
+
+def test_megacispo_scores_the_merged_export_as_the_unmerged_model(exported, tmp_path):
+    """megacispo.score of the merged export (fp32, its dtype) against the unmerged LoRA model (fp64)."""
+    tokens, out = tmp_path / "tokens.jsonl", tmp_path / "scored.jsonl"
+    tokens.write_text("".join(json.dumps({"tokens": list(sequence)}) + "\n" for sequence in SEQUENCES))
+    (code,) = run_distributed(score_main, 1, ["--load", str(exported["root"] / "merged_all"), "--tokens",
+                                              str(tokens), "--out", str(out)])
+    assert code == 0
+    scored = [torch.tensor(json.loads(line)["logprobs"], dtype=torch.float64) for line in out.read_text().splitlines()]
+    _assert_close(scored, exported["logprobs"]["all"])
 
 
 def test_merged_export_keeps_the_base_dtype_and_config(exported):

@@ -29,7 +29,7 @@ import torch
 from megacispo.models.config import M2
 from megacispo.testing.harness import run_distributed
 from megacispo.testing.parallel_case import assert_close_by_key
-from megacispo.testing.hf_models import SEQUENCES, convert_and_score, hf_model, write_hf_model
+from megacispo.testing.hf_models import SEQUENCES, convert_and_score, hf_model, score_main, write_hf_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -179,15 +179,9 @@ def test_m2_packed_training_passes_equal_transformers(m2_hf, m2_reference, layou
                         f"{layout}: gradient of", rtol=1e-5)
 
 
-def _score(argv: list[str]) -> int:
-    from megacispo.score import main
-
-    return main(argv)
-
-
 def _score_at_cp2(root: Path, checkpoint: Path, comm: str) -> list[torch.Tensor]:
     out = root / f"cp2_{comm}.jsonl"
-    run_distributed(_score, 2, ["--load", str(checkpoint), "--tokens", str(root / "tokens.jsonl"), "--out", str(out),
+    run_distributed(score_main, 2, ["--load", str(checkpoint), "--tokens", str(root / "tokens.jsonl"), "--out", str(out),
                                 "--set", "parallel.context_parallel_size=2",
                                 "--set", f"parallel.context_parallel_comm={comm}"])
     return [torch.tensor(json.loads(line)["logprobs"], dtype=torch.float64) for line in out.read_text().splitlines()]

@@ -116,7 +116,8 @@ def _convert(argv: list[str]) -> int:
     return load_tool("convert_checkpoint").main(argv)
 
 
-def _score(argv: list[str]) -> int:
+def score_main(argv: list[str]) -> int:
+    """megacispo.score's main(argv), in a harness worker."""
     from megacispo.score import main
 
     return main(argv)
@@ -138,7 +139,7 @@ def convert_and_score(root: Path, layout_args: list[str], world_size: int) -> tu
     checkpoint, out = root / f"ckpt_{name}", root / f"scored_{name}.jsonl"
     run_distributed(_convert, 1, ["hf-to-megatron", "--hf-dir", str(root / "hf"), "--out", str(checkpoint),
                                   "--no-progress", *layout_args])
-    run_distributed(_score, world_size, ["--load", str(checkpoint), "--tokens", str(root / "tokens.jsonl"),
+    run_distributed(score_main, world_size, ["--load", str(checkpoint), "--tokens", str(root / "tokens.jsonl"),
                                          "--out", str(out), *_score_settings(layout_args)])
     logprobs = [torch.tensor(json.loads(line)["logprobs"], dtype=torch.float64) for line in out.read_text().splitlines()]
     return checkpoint, logprobs
