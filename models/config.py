@@ -513,6 +513,14 @@ class LoraConfig:
                 f"{', '.join(LORA_TARGETS)} (the router, the norms, the embedding and the LM head take no adapters)."
             )
 
+    def merged(self, weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``weight + scale * up @ down`` (W + s B A; A = ``down``, B = ``up``, any leading expert axes), computed
+        in at least fp32, in ``dtype`` (default: weight's): what rollouts and the merged export multiply."""
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        merged = torch.add(weight.to(wide), up.to(wide) @ down.to(wide), alpha=self.scale)
+        return merged.to(dtype or weight.dtype)
+
     def adapts(self, target: str) -> bool:
         """Whether the linears named ``target`` (a LORA_TARGETS name) get adapters."""
         return self.enabled and (target in self.targets or ALL_LINEAR in self.targets)

@@ -112,7 +112,7 @@ def expert_mlp(
 
 def _adapted_linear(inputs: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapted | None) -> torch.Tensor:
     product = F.linear(inputs, weight)
-    return product if adapter is None else torch.add(product, adapter.update(inputs), alpha=adapter.lora_scale)
+    return product if adapter is None else adapter.plus_update(inputs, product)
 
 
 def run_experts(

@@ -74,8 +74,7 @@ class LoraAdapted:
     lora_B: torch.nn.Parameter
 
     def _add_adapters(self, lora: LoraConfig, a_shape: tuple[int, int], b_shape: tuple[int, int], config) -> None:
-        self.lora_scale = lora.scale
-        self.lora_dropout = lora.dropout
+        self.lora = lora
         self.adapters_merged = False
         device = parameter_device(config)
         # A is drawn by ``init_adapters`` (layout-independent); B starts at zero: the model starts as the base.
@@ -86,21 +85,26 @@ class LoraAdapted:
             setattr(param, "allreduce", self.weight.allreduce)
 
     def update(self, inputs: torch.Tensor) -> torch.Tensor:
-        """B (A x) of the input W's product takes (unscaled: the caller adds it with alpha ``lora_scale``), as
-        this rank's share of the layer's output: reduced as W's product is (or left partial where W's is)."""
+        """B (A x) of the input W's product takes (unscaled), as this rank's share of the layer's output:
+        reduced as W's product is (or left partial where W's is)."""
         raise NotImplementedError
+
+    def plus_update(self, inputs: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
+        """W's ``product`` of ``inputs`` with the adapter's scaled update added, or alone where the adapter is
+        merged into W (within a rollout)."""
+        if self.adapters_merged:
+            return product
+        return torch.add(product, self.update(inputs), alpha=self.lora.scale)
 
     def _adapter_input(self, inputs: torch.Tensor) -> torch.Tensor:
         # Each rank draws its own mask (its own tokens, channels or output rows: a mask per rank is a mask).
-        return F.dropout(inputs, self.lora_dropout, self.training) if self.lora_dropout else inputs
+        dropout = self.lora.dropout
+        return F.dropout(inputs, dropout, self.training) if dropout else inputs
 
     def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """This rank's shard of ``W + s B A`` in ``dtype`` (default: W's), computed in at least fp32 (no
         communication: B's rows and A's columns are the ones W's shard needs)."""
-        wide = torch.promote_types(self.weight.dtype, torch.float32)
-        update = self.lora_B.detach().to(wide) @ self.lora_A.detach().to(wide)
-        merged = torch.add(self.weight.detach().to(wide), update, alpha=self.lora_scale)
-        return merged.to(dtype or self.weight.dtype)
+        return self.lora.merged(self.weight.detach(), self.lora_A.detach(), self.lora_B.detach(), dtype)
 
     def _sharded_axes(self) -> dict[str, int]:
         """Each split parameter's axis (as Megatron's linears name theirs)."""
@@ -134,9 +138,7 @@ class LoraColumnParallelLinear(LoraAdapted, tensor_parallel.ColumnParallelLinear
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         output, bias = super().forward(input_, weight, runtime_gather_output)
-        if self.adapters_merged:
-            return output, bias
-        return torch.add(output, self.update(input_), alpha=self.lora_scale), bias
+        return self.plus_update(input_, output), bias
 
     def update(self, inputs: torch.Tensor) -> torch.Tensor:
         down = _linear(self._adapter_input(inputs), self.lora_A, self.tp_group)  # [..., r]
@@ -163,9 +165,7 @@ class LoraRowParallelLinear(LoraAdapted, tensor_parallel.RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         output, bias = super().forward(input_)
-        if self.adapters_merged:
-            return output, bias
-        return torch.add(output, self.update(input_), alpha=self.lora_scale), bias
+        return self.plus_update(input_, output), bias
 
     def update(self, inputs: torch.Tensor) -> torch.Tensor:
         down = F.linear(self._adapter_input(inputs), self.lora_A)  # [..., r], partial over TP

@@ -203,10 +203,7 @@ class LoraDeltas:
         LoraAdapted.merged_weight merges for rollouts."""
         if weight_key not in self.weight_keys:
             return weight
-        down, up = self.factors(weight_key, expert)
-        wide = torch.promote_types(weight.dtype, torch.float32)
-        merged = torch.add(weight.to(wide), up.to(wide) @ down.to(wide), alpha=self.lora.scale)
-        return merged.to(weight.dtype)
+        return self.lora.merged(weight, *self.factors(weight_key, expert))
 
 
 HFReadPlan = list[tuple[list[tuple[str, tuple[int, ...]]], torch.dtype, Callable[[], dict[str, torch.Tensor]]]]
