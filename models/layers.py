@@ -363,13 +363,14 @@ def weights_at(places: list[tuple[torch.nn.Module, str]]) -> list[torch.Tensor]:
     return [getattr(module, name) for module, name in places]
 
 
-def rollout_weight(module: torch.nn.Module, name: str) -> torch.Tensor:
-    """What a rollout multiplies in the place of ``module``'s parameter ``name``: the parameter, or a LoRA
-    linear's merged weight ``W + s B A`` (models/lora.py; made here, one weight at a time, where a stack copies
-    it: no merged copy of the stacked weights beside their stack)."""
+def rollout_weight(module: torch.nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """What a rollout multiplies in the place of ``module``'s parameter ``name``, to be copied in ``dtype``:
+    the parameter, or a LoRA linear's merged weight ``W + s B A`` rounded once, to ``dtype`` (models/lora.py;
+    made here, one weight at a time, where a stack copies it: no merged copy of the stacked weights beside
+    their stack)."""
     merged_weight = getattr(module, "merged_weight", None)
     if name == "weight" and merged_weight is not None:
-        return merged_weight()
+        return merged_weight(dtype)
     return getattr(module, name).detach()
 
 
@@ -391,7 +392,7 @@ def stack_weights_as_views(
     views = stack.unbind(0) if new_dim else stack.split(rows)
     replaced = []
     for (module, name), weight, view in zip(places, weights, views):
-        view.copy_(rollout_weight(module, name))
+        view.copy_(rollout_weight(module, name, view.dtype))
         copy = torch.nn.Parameter(view, requires_grad=False)
         copy.__dict__.update(weight.__dict__)  # Megatron's attributes (tensor_model_parallel, allreduce, ...)
         replaced.append((module, name, weight))
