@@ -269,6 +269,12 @@ def test_rollout_cache_of_the_slots_by_hand(capsys):
         (["--dp", "0"], "error: argument --dp: 0: give a whole number of at least 1"),
         (["--gpu-memory-gb", "nan"], "error: argument --gpu-memory-gb: nan: give a finite number of GiB >= 0"),
         (["--overhead-gb", "-1"], "error: argument --overhead-gb: -1: give a finite number of GiB >= 0"),
+        # LoRA (--lora-rank, --lora-targets: tests/unit/test_plan_lora.py has the rest).
+        (["--lora-rank", "-1"], "lora.rank = -1: use a positive rank, or 0 for no adapters."),
+        (["--lora-targets", "q_proj"], "--lora-targets without --lora-rank"),
+        (["--lora-rank", "4", "--lora-targets", "q_proj,lm_head"], "['lm_head']"),
+        (["--model", "tiny-m2", "--lora-rank", "4", "--lora-targets", "out_proj"], "name no layer of this"),
+        (["--lora-rank", "4", "--precision", "fp8"], "not under FP8"),
     ],
 )
 def test_cli_bad_input_exits_2_naming_the_argument(arguments, message, capsys):
