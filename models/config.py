@@ -557,6 +557,16 @@ def is_adapter_parameter(name: str) -> bool:
     return name.endswith((".lora_A", ".lora_B"))
 
 
+# A part of a model's weights (what a checkpoint or a weight sync holds of a LoRA model): every weight, the
+# adapters alone, or the base alone.
+ALL_WEIGHTS, ADAPTERS, BASE = "all", "adapters", "base"
+
+
+def in_weights(name: str, weights: str) -> bool:
+    """Whether the parameter name or checkpoint key ``name`` belongs to ``weights`` (ALL_WEIGHTS, ADAPTERS, BASE)."""
+    return weights == ALL_WEIGHTS or is_adapter_parameter(name) == (weights == ADAPTERS)
+
+
 def lora_target_dims(config: HybridModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each linear an adapter can sit on, in this model (whole, not sharded)."""
     hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megacispo.checkpoint.formats import META_FILE, CheckpointError
 from megacispo.checkpoint.unpickling import RefusedPickle, load_weights_only, read_dcp_metadata
 from megacispo.files import flush_to_disk, fsync_path, publish_directory
-from megacispo.models.config import M1, is_adapter_parameter
+from megacispo.models.config import ADAPTERS, ALL_WEIGHTS, BASE, M1, in_weights, is_adapter_parameter
 
 # 2: meta.json records the size of every file of the checkpoint.
 FORMAT_VERSION = 2
@@ -288,9 +288,14 @@ def _state_for_chain(current: list, saved: list[dict], state: dict) -> dict:
     return sub_states[0] if len(sub_states) == 1 else dict(enumerate(sub_states))
 
 
-# Which of the model's weights a checkpoint holds: all of them, or with adapters (lora.rank > 0) the
-# adapters alone (saved and resumed) or the base alone (the base a LoRA run starts from).
-ALL_WEIGHTS, ADAPTERS, BASE = "all", "adapters", "base"
+# A LoRA run's checkpoint records in its extra_state, under this key, the base its adapters were trained on:
+# {"train.load": path, "fingerprint": models.lora.base_fingerprint}.
+LORA_BASE_STATE = "lora_base"
+
+
+def recorded_lora_base(meta: dict) -> str | None:
+    """The train.load of the run that saved a LoRA checkpoint: the base its adapters were trained on."""
+    return ((meta.get("extra_state") or {}).get(LORA_BASE_STATE) or {}).get("train.load")
 
 
 def adapter_rank_of(meta: dict) -> int:
@@ -304,8 +309,9 @@ def _has_adapters(model: torch.nn.Module) -> bool:
 
 
 def _weights_to_load(path: Path, meta: dict, model: torch.nn.Module, optimizer) -> str:
-    """What of ``model`` the checkpoint at ``path`` fills: every weight, a LoRA run's adapters (over the base
-    the caller loaded), or a LoRA model's base (a full checkpoint, loaded without its optimizer state)."""
+    """What of ``model`` the checkpoint at ``path`` fills (a part of models.config's): every weight, a LoRA
+    run's adapters (saved alone; loaded over the base the caller loaded), or a LoRA model's base (a full
+    checkpoint, loaded without its optimizer state)."""
     rank, adapted = adapter_rank_of(meta), _has_adapters(model)
     if rank and not adapted:
         raise CheckpointError(f"{path} holds LoRA adapters alone (lora.rank = {rank}), not a whole model: load it "
@@ -321,9 +327,7 @@ def _weights_to_load(path: Path, meta: dict, model: torch.nn.Module, optimizer) 
 def _sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool, weights: str = ALL_WEIGHTS) -> dict:
     metadata = sharded_metadata()
     model_state = _unwrap(model).sharded_state_dict(metadata=metadata)
-    if weights != ALL_WEIGHTS:
-        model_state = {key: value for key, value in model_state.items()
-                       if is_adapter_parameter(key) == (weights == ADAPTERS)}
+    model_state = {key: value for key, value in model_state.items() if in_weights(key, weights)}
     state = {"model": model_state}
     if optimizer is not None:
         if is_loading:
@@ -802,7 +806,7 @@ def load_checkpoint(
     _raise_agreed(dcp_load.non_finite_weight(loaded["model"], path))
     missing, unexpected = _unwrap(model).load_state_dict(loaded["model"], strict=weights == ALL_WEIGHTS)
     # Loading a part: what stays unloaded is the other part (checked, as strict checks a whole load).
-    left = [key for key in missing if weights == ALL_WEIGHTS or is_adapter_parameter(key) == (weights == ADAPTERS)]
+    left = [key for key in missing if in_weights(key, weights)]
     if left or unexpected:
         raise CheckpointError(f"{path}: the model's {weights} weights and the checkpoint's differ: missing "
                               f"{left[:3]}, unexpected {unexpected[:3]}")

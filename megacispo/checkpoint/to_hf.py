@@ -36,6 +36,7 @@ from megacispo.checkpoint.distributed import (
     adapter_rank_of,
     params_dtype_of,
     read_meta,
+    recorded_lora_base,
     resolve_checkpoint,
 )
 from megacispo.checkpoint.formats import (
@@ -403,19 +404,13 @@ def _lora_config(meta: dict) -> LoraConfig | None:
     return LoraConfig(**meta["config"]["lora"]) if adapter_rank_of(meta) else None
 
 
-def _recorded_base(meta: dict) -> str | None:
-    """The train.load of the run that saved a LoRA checkpoint: the base its adapters were trained on,
-    as megacispo.rl.trainer records it (extra_state.lora_base)."""
-    return ((meta.get("extra_state") or {}).get("lora_base") or {}).get("train.load")
-
-
 def _lora_base_reader(step_dir: Path, meta: dict, config: HybridModelConfig, base: str | os.PathLike | None,
                       meter: TensorMeter | None) -> tuple[TensorReader, str]:
     """A reader of the base that the adapters of the LoRA checkpoint ``step_dir`` merge into (``base``, else
     the recorded train.load), and the name of its dtype. ValueError naming the field that gave the path,
     what is wrong and the fix."""
     field = "--base" if base is not None else f"{step_dir / META_FILE} extra_state.lora_base.train.load"
-    path = base if base is not None else _recorded_base(meta)
+    path = base if base is not None else recorded_lora_base(meta)
     fix = ("pass --base with the base the adapters were trained on (the megacispo checkpoint or Hugging Face "
            "directory that was the run's train.load)")
     if not path:
@@ -504,7 +499,7 @@ def write_peft_files(ckpt: str | os.PathLike, directory: Path, *, base: str | os
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = up
         target_modules.add(module.rsplit(".", 1)[-1])
     save_file(tensors, str(directory / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
-    base_path = str(base) if base is not None else _recorded_base(meta)
+    base_path = str(base) if base is not None else recorded_lora_base(meta)
     if base_path and Path(base_path).is_dir() and not is_hf_directory(base_path):
         warnings.warn(f"base_model_name_or_path = {base_path} is not a Hugging Face directory (a megacispo "
                       f"checkpoint?), which transformers does not load: write the base with megatron-to-hf and pass "

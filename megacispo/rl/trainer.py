@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megacispo.checkpoint.distributed import (
+    LORA_BASE_STATE,
     CheckpointError,
     capture_rng,
     load_checkpoint,
@@ -62,7 +63,6 @@ from megacispo.training.packing import PackedRow
 
 # The extra_state key of the adapted clip bounds in a checkpoint.
 ADAPTIVE_CLIP_STATE = "adaptive_clip"
-LORA_BASE_STATE = "lora_base"
 # What a SIGTERM line says when the stop comes before a fresh run's first step completes.
 NOTHING_TRAINED = "nothing was trained, so nothing was saved"
 

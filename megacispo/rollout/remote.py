@@ -47,17 +47,12 @@ from megacispo.config import Config
 from megacispo.data.padding import pad_right
 from megacispo.data.prompts import PromptRecord, PromptSampler
 from megacispo.data.rewards import RewardScores
+from megacispo.models.config import ADAPTERS, ALL_WEIGHTS
 from megacispo.parallel.layout import ParallelConfig, destroy_distributed, init_distributed
 from megacispo.rollout.episodes import Environments, Scoring, sample_and_score
 from megacispo.rollout.generate import Samples, generate, sample_keys
 from megacispo.rollout.placement import Bridge, RolloutProcessLost, Side
-from megacispo.rollout.weight_sync import (
-    ADAPTERS,
-    ALL_WEIGHTS,
-    WeightsHeader,
-    publish_weights,
-    receive_weights,
-)
+from megacispo.rollout.weight_sync import WeightsHeader, publish_weights, receive_weights
 from megacispo.training.engine import build_inference_model
 
 

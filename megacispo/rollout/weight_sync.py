@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megacispo.models.config import is_adapter_parameter
+from megacispo.models.config import ALL_WEIGHTS, BASE, in_weights, is_adapter_parameter
 from megacispo.models.hf_names import STACKED_EXPERTS
 from megacispo.parallel.layout import run_device
 from megacispo.parallel.sharded import TensorPiece, parameter_pieces
@@ -83,18 +83,17 @@ class _Block:
     sizes: tuple[int, ...]
 
 
-# What a weight sync sends of a model with LoRA adapters (models/lora.py): every weight, adapters included (a
-# rollout replica's first sync), the adapters alone (its later syncs: the base is frozen and the replica merges
-# them), or the base with the adapters merged into it (an engine without adapters: vLLM).
-ALL_WEIGHTS, ADAPTERS, MERGED = "all", "adapters", "merged"
+# What a weight sync sends of a model with LoRA adapters (models/lora.py), beside models.config's ALL_WEIGHTS
+# (adapters included: a rollout replica's first sync) and ADAPTERS (its later syncs: the base is frozen and the
+# replica merges them): the base with the adapters merged into it (an engine without adapters: vLLM).
+MERGED = "merged"
 
 
 def _pieces(module: torch.nn.Module, weights: str) -> list[TensorPiece]:
     if weights == MERGED:
         with module.merged_adapters():
-            return [piece for piece in parameter_pieces(module) if not is_adapter_parameter(piece.key)]
-    pieces = parameter_pieces(module)
-    return pieces if weights == ALL_WEIGHTS else [piece for piece in pieces if is_adapter_parameter(piece.key)]
+            return _pieces(module, BASE)
+    return [piece for piece in parameter_pieces(module) if in_weights(piece.key, weights)]
 
 
 def weight_buckets(module: torch.nn.Module, version: int, bucket_bytes: int = BUCKET_BYTES, *,

@@ -182,7 +182,8 @@ def _lora_sync() -> dict:
     from megacispo.parallel.layout import ParallelConfig, init_distributed
     from megacispo.parallel.sharded import parameter_pieces
     from megacispo.rollout.placement import start_placement
-    from megacispo.rollout.weight_sync import ADAPTERS, publish_weights, receive_weights
+    from megacispo.models.config import ADAPTERS
+    from megacispo.rollout.weight_sync import publish_weights, receive_weights
     from megacispo.startup import run_config
     from megacispo.training.engine import Engine, build_inference_model
 
